@@ -1,0 +1,1 @@
+"""Contract files shipped with opcontracts (installed as ``opcontracts.contracts``)."""

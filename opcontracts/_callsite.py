@@ -1,0 +1,50 @@
+"""Find the caller's frame: the first one outside opcontracts and torch's dispatch glue."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from types import FrameType
+
+__all__ = ["CallSite", "find_call_site"]
+
+_PKG_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_SKIP_SUFFIXES = (
+    os.sep + os.path.join("torch", "_ops.py"),
+    os.sep + os.path.join("torch", "autograd", "function.py"),
+    os.sep + "contextlib.py",
+    os.sep + "functools.py",
+)
+_EXTRA_SKIP: list[str] = []  # folders of stand-in modules (the emulation) also count as ours
+
+
+def _ours(filename: str) -> bool:
+    if filename.startswith(_PKG_DIR) and os.sep + "tests" + os.sep not in filename:
+        return True
+    if filename.startswith("<opcontracts"):
+        return True
+    if filename.endswith(_SKIP_SUFFIXES):
+        return True
+    return any(filename.startswith(p) for p in _EXTRA_SKIP)
+
+
+@dataclass(frozen=True)
+class CallSite:
+    filename: str
+    lineno: int
+    function: str
+    module: str
+
+    def __str__(self) -> str:
+        return f"{self.filename}:{self.lineno} in {self.function}"
+
+
+def find_call_site(start: FrameType | None = None) -> CallSite | None:
+    f = start if start is not None else sys._getframe(1)
+    while f is not None and _ours(f.f_code.co_filename):
+        f = f.f_back
+    if f is None:
+        return None
+    return CallSite(f.f_code.co_filename, f.f_lineno, f.f_code.co_name,
+                    str(f.f_globals.get("__name__", "?")))

@@ -1,0 +1,366 @@
+"""The wrapper factory shared by the decorator and the patch, and what happens on a violation.
+
+Hot path of a guarded call (see ``make_guard``)::
+
+    state = ContextVar.get() or the process-wide state    # ~40 ns
+    mode  = state.default (or a per-op override)           # one attribute load when none
+    off?  -> original(*args, **kwargs)
+    check(*args, **kwargs)                                 # generated, CPython binds the names
+    None? -> original(*args, **kwargs)
+
+Everything else (building the exception, finding the call site, warning, casting) is on the
+slow path in ``_violated`` and runs only when a rule failed.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import sys
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+from . import _modes
+from ._callsite import CallSite, find_call_site
+from ._compile import MISSING, CompiledContract, Param, RawViolation, compile_contract
+from ._dtypes import dtype_name, int_range, parse_dtype
+from ._report import record
+from .errors import ContractFixWarning, ContractViolation, ContractWarning
+
+__all__ = ["make_guard", "params_of", "violation_from_raw", "check_call", "compiled_for"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_FIX_ROUNDS = 16
+
+
+# --------------------------------------------------------------------------- signatures
+def _schema_params(schema: Any) -> list[Param]:
+    out = []
+    for a in schema.arguments:
+        out.append(Param(a.name, "KEYWORD_ONLY" if a.kwarg_only else "POSITIONAL_OR_KEYWORD"))
+    return out
+
+
+def params_of(fn: Any, signature: Sequence[str] | None = None) -> list[Param] | None:
+    """The parameter list of ``fn``: from a dispatcher schema for ``torch.ops`` objects,
+    from ``inspect.signature`` otherwise; ``None`` when it cannot be read."""
+    if isinstance(fn, torch._ops.OpOverloadPacket):
+        names = fn.overloads()
+        ov = getattr(fn, "default", None) if "default" in names else (
+            getattr(fn, names[0]) if names else None)
+        return _schema_params(ov._schema) if ov is not None else None
+    if isinstance(fn, torch._ops.OpOverload):
+        return _schema_params(fn._schema)
+    if signature is None:
+        try:
+            sig = inspect.signature(fn)
+        except (TypeError, ValueError):
+            return None
+        return [Param(p.name, p.kind.name) for p in sig.parameters.values()]
+    return [Param(n) for n in signature]
+
+
+def _inspect_signature(params: Sequence[Param]) -> inspect.Signature:
+    return inspect.Signature([
+        inspect.Parameter(p.name, getattr(inspect.Parameter, p.kind)) for p in params
+    ])
+
+
+# --------------------------------------------------------------------------- messages
+def _rank() -> int | None:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            return dist.get_rank()
+    except Exception:  # pragma: no cover - a broken backend must not hide the violation
+        pass
+    ws = os.environ.get("WORLD_SIZE")
+    if ws and ws.isdigit() and int(ws) > 1 and os.environ.get("RANK", "").isdigit():
+        return int(os.environ["RANK"])
+    return None
+
+
+def _fmt_shape(v: torch.Tensor) -> str:
+    return "(" + ", ".join(str(int(s)) for s in v.shape) + ("," if v.dim() == 1 else "") + ")"
+
+
+def _actual(raw: RawViolation) -> str:
+    v, kind = raw.value, raw.rule.kind
+    if kind == "missing":
+        return "is None"
+    if kind == "type":
+        return f"is a {type(v).__name__}"
+    if kind == "value":
+        return f"{raw.note}"
+    if kind in ("allowed", "bound"):
+        return f"is {v!r}"
+    if kind == "list_len":
+        return f"has {len(v)} tensors"
+    if not isinstance(v, torch.Tensor):
+        return f"is {v!r}"
+    if kind in ("dtype", "same_dtype"):
+        return f"has dtype {dtype_name(v.dtype)} (shape {_fmt_shape(v)})"
+    if kind == "device":
+        return f"is on {v.device}"
+    if kind == "contiguous":
+        return f"is not contiguous (strides {tuple(v.stride())})"
+    return f"has shape {_fmt_shape(v)}"
+
+
+def _fix_target(raw: RawViolation, partner_value: Any) -> torch.dtype | None:
+    """The dtype ``fix`` mode would cast to, or None if a cast cannot repair this."""
+    v, rule = raw.value, raw.rule
+    spec = rule.arg_spec
+    if not isinstance(v, torch.Tensor) or spec is None or spec.fix == "never":
+        return None
+    if rule.kind == "same_dtype":
+        if not isinstance(partner_value, torch.Tensor):
+            return None
+        t = partner_value.dtype
+        if v.is_floating_point() and t.is_floating_point:
+            return t
+        return None
+    if rule.kind != "dtype" or spec.dtype is None:
+        return None
+    allowed = [parse_dtype(d) for d in spec.dtype]
+    if v.is_floating_point():
+        floats = [d for d in allowed if d.is_floating_point]
+        return floats[0] if floats else None
+    if spec.fix == "cast" and not v.is_complex() and v.dtype is not torch.bool:
+        ints = [d for d in allowed if not d.is_floating_point and not d.is_complex and d is not torch.bool]
+        if not ints:
+            return None
+        if v.numel() == 0:
+            return ints[0]
+        lo, hi = int(v.min()), int(v.max())
+        for d in ints:
+            dlo, dhi = int_range(d)
+            if dlo <= lo and hi <= dhi:
+                return d
+    return None
+
+
+def _hint(raw: RawViolation, partner_value: Any) -> str | None:
+    rule = raw.rule
+    spec = rule.arg_spec
+    if spec is not None and spec.hint:
+        return spec.hint
+    a = rule.arg or "x"
+    ref = a if raw.index is None else f"{a}[{raw.index}]"
+    if rule.kind == "same_dtype":
+        return f"{ref} = {ref}.to({rule.partner}.dtype)"
+    if rule.kind == "dtype" and spec is not None and spec.dtype:
+        t = _fix_target(raw, partner_value)
+        if t is None:
+            v = raw.value
+            pick = [d for d in spec.dtype if isinstance(v, torch.Tensor)
+                    and parse_dtype(d).is_floating_point == v.is_floating_point()]
+            t = parse_dtype((pick or list(spec.dtype))[0])
+        return f"{ref} = {ref}.to(torch.{dtype_name(t)})"
+    if rule.kind == "contiguous":
+        return f"{ref} = {ref}.contiguous()"
+    if rule.kind == "device":
+        return f"move {ref} to the device of the other tensor arguments ({ref}.to(other.device))"
+    if rule.kind == "missing":
+        return f"pass a tensor for {ref}"
+    if rule.kind in ("shape", "rank"):
+        b = ", ".join(f"{k}={v}" for k, v in raw.bindings.items())
+        return f"pass {ref} with {rule.expected}" + (f" where {b}" if b else "")
+    return None
+
+
+def violation_from_raw(raw: RawViolation, site: CallSite | None, partner_value: Any = None,
+                       ) -> ContractViolation:
+    rule = raw.rule
+    arg = rule.arg if raw.index is None else f"{rule.arg}[{raw.index}]"
+    return ContractViolation(
+        op=rule.op, arg=arg, rule=rule.kind, expected=rule.expected, actual=_actual(raw),
+        bindings=raw.bindings, call_site=str(site) if site else None, source=rule.source,
+        fix=_hint(raw, partner_value), rank=_rank(),
+    )
+
+
+# --------------------------------------------------------------------------- warn once
+_registries: dict[tuple[Any, ...], dict[Any, Any]] = {}
+_reg_lock = threading.Lock()
+
+
+def _warn(exc: ContractViolation, site: CallSite | None, message: str,
+          category: type[Warning]) -> None:
+    """Warn at the user's call site; the text is the first message seen for this site and
+    rule, so the warnings machinery shows it once (``default`` action) and still raises on
+    every call under ``-W error::opcontracts.ContractWarning``."""
+    key = (exc.op, exc.arg, exc.rule, str(site), category)
+    with _reg_lock:
+        reg = _registries.get(key)
+        if reg is None:
+            if len(_registries) > 4096:
+                _registries.clear()
+            reg = _registries[key] = {}
+    if site is None:
+        warnings.warn(message, category, stacklevel=3)
+        return
+    warnings.warn_explicit(message, category, site.filename, site.lineno, module=site.module,
+                           registry=reg)
+
+
+def reset_warnings() -> None:
+    with _reg_lock:
+        _registries.clear()
+
+
+# --------------------------------------------------------------------------- slow path
+def _partner(raw: RawViolation, ba: inspect.BoundArguments | None) -> Any:
+    if raw.rule.partner is None or ba is None:
+        return None
+    return ba.arguments.get(raw.rule.partner)
+
+
+def _bind(cc: CompiledContract, args: tuple[Any, ...], kwargs: dict[str, Any]
+          ) -> inspect.BoundArguments | None:
+    try:
+        return _inspect_signature(cc.params).bind_partial(*args, **kwargs)
+    except TypeError:
+        return None
+
+
+def _record_and_message(exc: ContractViolation, site: CallSite | None, m: _modes.Mode,
+                        fixed: bool) -> tuple[str, bool]:
+    rec, new = record(exc.op, exc.arg, exc.rule, str(site) if site else "?", m.value, str(exc),
+                      fixed=fixed, rank=exc.rank)
+    return (rec.message if rec is not None else str(exc)), new
+
+
+def _violated(m: _modes.Mode, raw: RawViolation, cc: CompiledContract, fn: Callable[..., Any],
+              args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    __tracebackhide__ = True  # pytest: show the user's frame, not ours
+    site = find_call_site(sys._getframe(2))
+    ba = _bind(cc, args, kwargs)
+    if m is _modes.FIX and ba is not None:
+        return _fix_and_call(raw, cc, fn, ba, site)
+    exc = violation_from_raw(raw, site, _partner(raw, ba))
+    msg, _ = _record_and_message(exc, site, m, False)
+    if m is _modes.WARN:
+        _warn(exc, site, msg, ContractWarning)
+        return fn(*args, **kwargs)
+    raise exc
+
+
+def _replace(ba: inspect.BoundArguments, raw: RawViolation, new: Any) -> None:
+    name = raw.rule.arg
+    assert name is not None
+    if raw.index is None:
+        ba.arguments[name] = new
+    else:
+        old = ba.arguments[name]
+        lst = list(old)
+        lst[raw.index] = new
+        ba.arguments[name] = type(old)(lst) if isinstance(old, tuple) else lst
+
+
+def _fix_and_call(raw: RawViolation | None, cc: CompiledContract, fn: Callable[..., Any],
+                  ba: inspect.BoundArguments, site: CallSite | None) -> Any:
+    __tracebackhide__ = True
+    for _ in range(_FIX_ROUNDS):
+        if raw is None:
+            return fn(*ba.args, **ba.kwargs)
+        partner = _partner(raw, ba)
+        v = raw.value
+        new: Any = None
+        if raw.rule.kind == "contiguous" and isinstance(v, torch.Tensor):
+            new = v.contiguous()
+        else:
+            target = _fix_target(raw, partner)
+            if target is not None:
+                new = v.to(target)  # autograd-tracked; never in place
+        exc = violation_from_raw(raw, site, partner)
+        if new is None:
+            _record_and_message(exc, site, _modes.FIX, False)
+            raise exc
+        what = (f"{cc.contract.op}: fixed argument '{exc.arg}': {exc.actual.split(' (')[0]} -> "
+                + (f"{dtype_name(new.dtype)}" if raw.rule.kind != "contiguous" else "contiguous")
+                + f" ({exc.fix})")
+        msg, _ = _record_and_message(exc, site, _modes.FIX, True)
+        _warn(exc, site, what + "\n" + msg, ContractFixWarning)
+        _replace(ba, raw, new)
+        try:
+            raw = cc.check(*ba.args, **ba.kwargs)
+        except TypeError:
+            raw = None
+    raise RuntimeError(f"opcontracts: could not repair the call of {cc.contract.op}")  # pragma: no cover
+
+
+# --------------------------------------------------------------------------- the guard
+def make_guard(fn: Callable[..., Any], cc: CompiledContract, *, op: str | None = None
+               ) -> Callable[..., Any]:
+    """Wrap ``fn`` so each call is checked against ``cc`` in the mode in effect."""
+    op = op or cc.contract.op
+    check = cc.check
+    get = _modes._ctx.get        # bound method: no attribute lookups per call
+    modes = _modes
+    OFF = _modes.OFF
+
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        s = get()
+        if s is None:
+            s = modes._global_state
+        m = s.by_op.get(op, s.default) if s.by_op else s.default
+        if m is OFF:
+            return fn(*args, **kwargs)
+        try:
+            raw = check(*args, **kwargs)
+        except TypeError:  # the arguments do not even bind: let the original say so
+            return fn(*args, **kwargs)
+        if raw is None:
+            return fn(*args, **kwargs)
+        return _violated(m, raw, cc, fn, args, kwargs)
+
+    try:
+        functools.update_wrapper(guarded, fn)
+    except (AttributeError, TypeError):  # pragma: no cover - exotic callables
+        pass
+    if not hasattr(guarded, "__wrapped__"):
+        guarded.__wrapped__ = fn  # type: ignore[attr-defined]
+    if isinstance(fn, (torch._ops.OpOverloadPacket, torch._ops.OpOverload)):
+        guarded.__name__ = getattr(fn, "__name__", cc.contract.op)
+        guarded.__qualname__ = guarded.__name__
+        guarded.__signature__ = _inspect_signature(cc.params)  # type: ignore[attr-defined]
+    guarded.__opcontracts__ = cc  # type: ignore[attr-defined]
+    return guarded
+
+
+_compiled_cache: dict[tuple[int, tuple[Param, ...] | None], CompiledContract] = {}
+
+
+def compiled_for(contract: Any, params: Sequence[Param] | None = None) -> CompiledContract:
+    key = (id(contract), tuple(params) if params is not None else None)
+    cc = _compiled_cache.get(key)
+    if cc is None or cc.contract is not contract:
+        cc = compile_contract(contract, params)
+        _compiled_cache[key] = cc
+    return cc
+
+
+def check_call(cc: CompiledContract, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Raise ``ContractViolation`` if the call does not conform (mode is ignored)."""
+    __tracebackhide__ = True
+    try:
+        raw = cc.check(*args, **kwargs)
+    except TypeError as exc:
+        raise TypeError(f"{cc.contract.op}: arguments do not match its parameters "
+                        f"({', '.join(p.name for p in cc.params)}): {exc}") from None
+    if raw is None:
+        return
+    site = find_call_site(sys._getframe(1))
+    ba = _bind(cc, args, kwargs)
+    raise violation_from_raw(raw, site, _partner(raw, ba))
+
+
+_ = MISSING  # re-exported for the patch module

@@ -1,0 +1,186 @@
+"""Enforcement modes: ``strict``, ``warn``, ``fix``, ``off``.
+
+The mode in effect is a ``_State`` (a default plus per-op overrides) held in a ``ContextVar``,
+so ``mode()`` contexts are local to their thread and asyncio task (like numpy's ``errstate``),
+while ``set_mode()`` outside any context changes the process-wide state every thread sees.
+Wrappers read it with one ``ContextVar.get`` and, when no per-op override exists, one attribute
+load: ``current_state()`` is the whole cost of ``off`` mode.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import os
+import threading
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ContextDecorator
+from contextvars import ContextVar, Token
+from types import MappingProxyType
+from typing import Any, TypeVar
+
+__all__ = ["Mode", "set_mode", "get_mode", "mode", "current_state", "mode_for"]
+
+
+class Mode(str, enum.Enum):
+    STRICT = "strict"
+    WARN = "warn"
+    FIX = "fix"
+    OFF = "off"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+STRICT, WARN, FIX, OFF = Mode.STRICT, Mode.WARN, Mode.FIX, Mode.OFF
+_EMPTY: Mapping[str, Mode] = MappingProxyType({})
+
+
+def parse_mode(value: str | Mode, *, where: str = "mode") -> Mode:
+    if isinstance(value, Mode):
+        return value
+    try:
+        return Mode(str(value).strip().lower())
+    except ValueError:
+        raise ValueError(
+            f"{where}: unknown mode {value!r}; expected one of strict, warn, fix, off"
+        ) from None
+
+
+class _State:
+    """Immutable: a new one is made on every change, so readers never see half an update."""
+
+    __slots__ = ("default", "by_op")
+
+    def __init__(self, default: Mode, by_op: Mapping[str, Mode] = _EMPTY) -> None:
+        self.default = default
+        self.by_op = by_op
+
+    def for_op(self, op: str) -> Mode:
+        return self.by_op.get(op, self.default) if self.by_op else self.default
+
+    def with_mode(self, m: Mode, op: str | None) -> _State:
+        if op is None:
+            return _State(m, self.by_op)
+        d = dict(self.by_op)
+        d[op] = m
+        return _State(self.default, MappingProxyType(d))
+
+
+def _initial() -> _State:
+    raw = os.environ.get("OPCONTRACTS_MODE", "").strip()
+    if not raw:
+        return _State(WARN)
+    try:
+        return _State(parse_mode(raw))
+    except ValueError as exc:
+        warnings.warn(f"OPCONTRACTS_MODE: {exc}; using 'warn'", RuntimeWarning, stacklevel=2)
+        return _State(WARN)
+
+
+_global_state = _initial()
+_lock = threading.Lock()
+_ctx: ContextVar[_State | None] = ContextVar("opcontracts_mode", default=None)
+
+
+def current_state() -> _State:
+    s = _ctx.get()
+    return _global_state if s is None else s
+
+
+def mode_for(op: str) -> Mode:
+    """The mode that applies to ``op`` here and now."""
+    return current_state().for_op(op)
+
+
+def get_mode(op: str | None = None) -> str:
+    """The current mode (for ``op`` when given) as a string."""
+    s = current_state()
+    return (s.default if op is None else s.for_op(op)).value
+
+
+def set_mode(mode: str | Mode, *, op: str | None = None) -> str:
+    """Set the mode; returns the previous one (for ``op`` when given).
+
+    Inside a ``mode()`` context this changes that context only; elsewhere it changes the
+    process-wide mode seen by every thread that has not entered a context of its own.
+    """
+    global _global_state
+    m = parse_mode(mode)
+    s = _ctx.get()
+    if s is not None:
+        prev = s.default if op is None else s.for_op(op)
+        _ctx.set(s.with_mode(m, op))
+        return prev.value
+    with _lock:
+        prev = _global_state.default if op is None else _global_state.for_op(op)
+        _global_state = _global_state.with_mode(m, op)
+    return prev.value
+
+
+def clear_overrides() -> None:
+    """Drop every per-op override (process-wide and in the current context)."""
+    global _global_state
+    s = _ctx.get()
+    if s is not None:
+        _ctx.set(_State(s.default))
+    with _lock:
+        _global_state = _State(_global_state.default)
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class mode(ContextDecorator):  # noqa: N801 - reads like numpy.errstate
+    """Use a mode for a block or a function: ``with opcontracts.mode("strict"): ...`` or
+    ``@opcontracts.mode("fix")``.
+
+    Without ``op``, the block's mode replaces per-op overrides too (the innermost scope wins);
+    with ``op``, only that op's mode changes.  Contexts nest and are local to the thread or
+    asyncio task that entered them.
+    """
+
+    def __init__(self, mode: str | Mode, *, op: str | None = None) -> None:
+        self.mode = parse_mode(mode)
+        self.op = op
+        self._tokens: list[Token[_State | None]] = []
+        self._tl = threading.local()
+
+    def _stack(self) -> list[Token[_State | None]]:
+        st = getattr(self._tl, "stack", None)
+        if st is None:
+            st = self._tl.stack = []
+        return st
+
+    def __enter__(self) -> mode:
+        cur = current_state()
+        new = _State(self.mode) if self.op is None else cur.with_mode(self.mode, self.op)
+        self._stack().append(_ctx.set(new))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _ctx.reset(self._stack().pop())
+
+    def _recreate_cm(self) -> mode:
+        # a fresh instance per decorated call: concurrent calls never share a token stack
+        return type(self)(self.mode, op=self.op)
+
+    def __call__(self, func: F) -> F:  # type: ignore[override]
+        import inspect
+
+        if inspect.iscoroutinefunction(func):
+            @functools.wraps(func)
+            async def awrapper(*a: Any, **k: Any) -> Any:
+                with self._recreate_cm():
+                    return await func(*a, **k)
+            return awrapper  # type: ignore[return-value]
+        return super().__call__(func)
+
+    def __repr__(self) -> str:
+        extra = f", op={self.op!r}" if self.op else ""
+        return f"opcontracts.mode({self.mode.value!r}{extra})"
+
+
+def _iter_modes() -> Iterator[str]:  # for the CLI's help
+    return iter(m.value for m in Mode)

@@ -1,0 +1,169 @@
+"""The loaded contracts, by op name, and which of them apply in this environment.
+
+Several contracts may share an op name when their ``when`` conditions differ (MindSpeed's
+bf16-only rule next to torch_npu 2.13's wider one).  ``resolve(op)`` returns the one contract
+to enforce: the single applicable one, or, when several may apply because a version is
+unknown, their intersection (every rule of every candidate: the strictest reading).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+
+from . import _versions
+from .errors import OpContractsError
+from .spec import Arg, Contract, load_contracts
+
+__all__ = ["register", "unregister", "get_contract", "resolve", "all_contracts", "clear",
+           "shipped_contracts_dir", "load_shipped", "UnknownOpError", "merge_contracts"]
+
+
+class UnknownOpError(OpContractsError, LookupError):
+    """No contract is registered under that op name."""
+
+
+_lock = threading.RLock()
+_by_op: dict[str, list[Contract]] = {}
+_resolved: dict[str, Contract | None] = {}
+
+
+def shipped_contracts_dir() -> Path:
+    """The folder of contract files shipped with the package (``opcontracts/contracts``)."""
+    try:
+        from importlib.resources import files
+
+        p = Path(str(files("opcontracts.contracts")))
+        if p.is_dir():
+            return p
+    except (ModuleNotFoundError, TypeError):  # pragma: no cover - broken install
+        pass
+    return Path(__file__).resolve().parent.parent / "contracts"  # pragma: no cover
+
+
+def register(contracts: Contract | Iterable[Contract], *, replace: bool = False) -> None:
+    """Add contracts to the registry.  With ``replace``, contracts for the same op (and the
+    same ``when``) are replaced instead of raising."""
+    items = [contracts] if isinstance(contracts, Contract) else list(contracts)
+    with _lock:
+        for c in items:
+            lst = _by_op.setdefault(c.op, [])
+            same = [i for i, old in enumerate(lst) if old.when == c.when]
+            if same:
+                if not replace and lst[same[0]] != c:
+                    old = lst[same[0]]
+                    raise OpContractsError(
+                        f"two contracts for op {c.op!r} with the same 'when' "
+                        f"({old.file or 'inline'} and {c.file or 'inline'}); give them different "
+                        "'when' conditions or register with replace=True"
+                    )
+                lst[same[0]] = c
+            else:
+                lst.append(c)
+            _resolved.pop(c.op, None)
+
+
+def unregister(op: str) -> None:
+    with _lock:
+        _by_op.pop(op, None)
+        _resolved.pop(op, None)
+
+
+def clear() -> None:
+    with _lock:
+        _by_op.clear()
+        _resolved.clear()
+
+
+def invalidate() -> None:
+    """Forget resolutions (after versions change)."""
+    with _lock:
+        _resolved.clear()
+
+
+def all_contracts() -> list[Contract]:
+    with _lock:
+        return [c for lst in _by_op.values() for c in lst]
+
+
+def candidates(op: str) -> list[Contract]:
+    with _lock:
+        return list(_by_op.get(op, ()))
+
+
+def resolve(op: str) -> Contract | None:
+    """The contract to enforce for ``op`` here, or ``None`` if none applies."""
+    with _lock:
+        if op in _resolved:
+            return _resolved[op]
+        lst = _by_op.get(op)
+        if not lst:
+            raise UnknownOpError(f"no contract registered for op {op!r}")
+        env = _versions.current()
+        app = [c for c in lst if _versions.applies(c.when, env) is not False]
+        res = None if not app else app[0] if len(app) == 1 else merge_contracts(app)
+        _resolved[op] = res
+        return res
+
+
+def get_contract(op: str) -> Contract:
+    c = resolve(op)
+    if c is None:
+        raise UnknownOpError(f"no contract for op {op!r} applies in this environment "
+                             f"(see `opcontracts list --all`)")
+    return c
+
+
+def _merge_arg(a: Arg, b: Arg) -> Arg:
+    data = a.model_dump(by_alias=False)
+    other = b.model_dump(by_alias=False)
+    if a.dtype is not None and b.dtype is not None:
+        inter = tuple(d for d in a.dtype if d in b.dtype)
+        if not inter:
+            inter = b.dtype if len(b.dtype) < len(a.dtype) else a.dtype
+        data["dtype"] = inter
+    for k, v in other.items():
+        if data.get(k) in (None, False) and v not in (None, False):
+            data[k] = v
+    if a.dtype is not None and b.dtype is not None:
+        data["dtype"] = data["dtype"]
+    data["tensor_list"] = a.tensor_list or b.tensor_list
+    data["optional"] = a.optional and b.optional
+    srcs = [s for s in (a.source, b.source) if s]
+    data["source"] = " + ".join(dict.fromkeys(srcs)) if srcs else None
+    return Arg.model_validate({("list" if k == "tensor_list" else k): v for k, v in data.items()})
+
+
+def merge_contracts(items: list[Contract]) -> Contract:
+    """The strictest combination: intersected dtype sets, every other rule of every contract."""
+    first = items[0]
+    args: dict[str, Arg] = {}
+    for c in items:
+        for name, a in c.args.items():
+            if name in args:
+                a2 = a.model_copy(update={"source": a.source or c.source})
+                args[name] = _merge_arg(args[name], a2)
+            else:
+                args[name] = a.model_copy(update={"source": a.source or c.source})
+    targets = tuple(dict.fromkeys(t for c in items for t in c.targets))
+    sources = [c.source for c in items if c.source]
+    return Contract(
+        first.op, args, targets=targets,
+        source=" + ".join(dict.fromkeys(sources)) if sources else None,
+        signature=first.signature, same_device=any(c.same_device for c in items),
+        doc=first.doc, file=first.file,
+    )
+
+
+_shipped_loaded = False
+
+
+def load_shipped() -> None:
+    """Register the shipped contract packs once."""
+    global _shipped_loaded
+    with _lock:
+        if _shipped_loaded:
+            return
+        register(load_contracts(shipped_contracts_dir()), replace=True)
+        _shipped_loaded = True

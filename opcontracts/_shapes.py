@@ -1,0 +1,134 @@
+"""The shape-string language: parse once, then let the compiler emit straight-line checks.
+
+A shape is a string of space-separated dimensions::
+
+    "N*K H"      two dims: an expression over names, then a name that binds a size
+    "... S 2*D"  any number of leading dims, then S, then an even size (D binds to half of it)
+    "_ 128"      any size, then exactly 128
+
+Names bind across every argument of one call, so ``"N*K"`` on one argument and ``"N K"`` on
+another check the relation between them.  Expressions use ``* + - //``, integers and names.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass, field
+
+__all__ = ["Dim", "ShapeSpec", "parse_shape", "eval_dim"]
+
+_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9]*$")
+
+
+@dataclass(frozen=True)
+class Dim:
+    """One dimension of a shape.
+
+    kind: ``int`` (fixed size), ``name`` (binds), ``expr`` (checked once its names are bound),
+    ``any`` (``_``) or ``ellipsis`` (``...``).
+    """
+
+    kind: str
+    text: str
+    value: int = 0
+    names: tuple[str, ...] = ()
+    # for expr: a Python expression over the names (used by the compiler and the slow path)
+    py: str = ""
+    # for ``k*X`` / ``X*k`` with X unbound: (X, k) so X can be solved as size // k
+    solve: tuple[str, int] | None = None
+
+
+@dataclass(frozen=True)
+class ShapeSpec:
+    text: str
+    dims: tuple[Dim, ...]
+    has_ellipsis: bool = False
+    names: tuple[str, ...] = field(default=())
+
+    @property
+    def fixed_rank(self) -> int:
+        """Number of dimensions other than ``...``."""
+        return sum(1 for d in self.dims if d.kind != "ellipsis")
+
+
+_ALLOWED_BINOPS = {ast.Mult: "*", ast.Add: "+", ast.Sub: "-", ast.FloorDiv: "//"}
+
+
+def _check_expr(node: ast.AST, text: str, names: list[str]) -> str:
+    if isinstance(node, ast.BinOp) and type(node.op) in _ALLOWED_BINOPS:
+        left = _check_expr(node.left, text, names)
+        right = _check_expr(node.right, text, names)
+        return f"({left} {_ALLOWED_BINOPS[type(node.op)]} {right})"
+    if isinstance(node, ast.Name):
+        if not _NAME_RE.match(node.id):
+            raise ValueError(f"bad dimension name {node.id!r} in {text!r}")
+        if node.id not in names:
+            names.append(node.id)
+        return node.id
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return str(node.value)
+    raise ValueError(
+        f"dimension {text!r}: only integers, names and the operators * + - // are allowed"
+    )
+
+
+def _parse_dim(tok: str) -> Dim:
+    if tok == "...":
+        return Dim("ellipsis", tok)
+    if tok == "_":
+        return Dim("any", tok)
+    if tok.isdigit():
+        return Dim("int", tok, value=int(tok))
+    if _NAME_RE.match(tok):
+        return Dim("name", tok, names=(tok,))
+    try:
+        node = ast.parse(tok, mode="eval").body
+    except SyntaxError:
+        raise ValueError(f"cannot parse dimension {tok!r}") from None
+    names: list[str] = []
+    py = _check_expr(node, tok, names)
+    if not names:  # constant expression such as 2*64
+        return Dim("int", tok, value=int(eval(py, {"__builtins__": {}})))  # noqa: S307 - vetted AST
+    solve = None
+    if (
+        isinstance(node, ast.BinOp)
+        and isinstance(node.op, ast.Mult)
+        and len(names) == 1
+    ):
+        a, b = node.left, node.right
+        if isinstance(a, ast.Constant) and isinstance(b, ast.Name):
+            solve = (b.id, int(a.value))  # type: ignore[call-overload]
+        elif isinstance(b, ast.Constant) and isinstance(a, ast.Name):
+            solve = (a.id, int(b.value))  # type: ignore[call-overload]
+    return Dim("expr", tok, names=tuple(names), py=py, solve=solve)
+
+
+def parse_shape(text: str) -> ShapeSpec:
+    """Parse a shape string; raises ``ValueError`` with the offending token."""
+    if not isinstance(text, str):
+        raise ValueError(f"a shape must be a string such as 'N K', got {text!r}")
+    toks = text.replace(",", " ").split()
+    dims = tuple(_parse_dim(t) for t in toks)
+    n_ell = sum(1 for d in dims if d.kind == "ellipsis")
+    if n_ell > 1:
+        raise ValueError(f"shape {text!r}: at most one '...' is allowed")
+    if n_ell == 1 and dims[0].kind != "ellipsis":
+        raise ValueError(f"shape {text!r}: '...' stands for leading dimensions and must come first")
+    names: list[str] = []
+    for d in dims:
+        for n in d.names:
+            if n not in names:
+                names.append(n)
+    return ShapeSpec(text=text, dims=dims, has_ellipsis=n_ell == 1, names=tuple(names))
+
+
+def eval_dim(dim: Dim, bindings: dict[str, int]) -> int | None:
+    """Value of ``dim`` under ``bindings``, or ``None`` when a name is unbound."""
+    if dim.kind == "int":
+        return dim.value
+    if dim.kind in ("name", "expr"):
+        if any(n not in bindings for n in dim.names):
+            return None
+        return int(eval(dim.py or dim.text, {"__builtins__": {}}, dict(bindings)))  # noqa: S307
+    return None

@@ -1,0 +1,95 @@
+"""Opt-in value checks (they read tensor memory, so they only run when enabled).
+
+``ENABLED`` is a one-element list read by the generated checkers (``if _VALUES[0]``): a list
+item load is the cheapest flag a generated function can test without a global lookup chain.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from ._shapes import eval_dim, parse_shape
+from .spec import ValueRule
+
+__all__ = ["ENABLED", "set_value_checks", "value_checks_enabled", "check_values", "describe"]
+
+ENABLED: list[bool] = [os.environ.get("OPCONTRACTS_VALUES", "").strip().lower() in ("1", "true", "yes", "on")]
+
+
+def set_value_checks(enabled: bool) -> bool:
+    """Turn value checks on or off for the process; returns the previous setting."""
+    prev = ENABLED[0]
+    ENABLED[0] = bool(enabled)
+    return prev
+
+
+def value_checks_enabled() -> bool:
+    return ENABLED[0]
+
+
+def describe(rule: ValueRule) -> str:
+    parts = []
+    if rule.permutation:
+        parts.append("a permutation of [0, numel)")
+    if rule.nonnegative:
+        parts.append("non-negative")
+    if rule.nondecreasing:
+        parts.append("non-decreasing")
+    if rule.increasing:
+        parts.append("strictly increasing")
+    if rule.lt is not None:
+        parts.append(f"< {rule.lt}")
+    if rule.last is not None:
+        parts.append(f"last value == {rule.last}")
+    if rule.sum is not None:
+        parts.append(f"sum == {rule.sum}")
+    if rule.finite:
+        parts.append("finite")
+    return ", ".join(parts) or "(no value rule)"
+
+
+def _bound(expr: int | str, bindings: dict[str, Any]) -> int | None:
+    if isinstance(expr, int):
+        return expr
+    return eval_dim(parse_shape(expr).dims[0], {k: v for k, v in bindings.items() if isinstance(v, int)})
+
+
+def check_values(rule: ValueRule, t: torch.Tensor, bindings: dict[str, Any]) -> str | None:
+    """Return a description of the first value problem, or ``None``."""
+    if t.numel() == 0:
+        return None
+    flat = t.detach().reshape(-1)
+    if rule.finite and flat.is_floating_point() and not bool(torch.isfinite(flat).all()):
+        return "contains NaN or Inf"
+    if rule.nonnegative and bool((flat < 0).any()):
+        return f"has a negative value ({int(flat.min())})"
+    if rule.nondecreasing and flat.numel() > 1 and bool((flat[1:] < flat[:-1]).any()):
+        i = int((flat[1:] < flat[:-1]).nonzero()[0, 0])
+        return f"decreases at index {i + 1} ({flat[i].item()} -> {flat[i + 1].item()})"
+    if rule.increasing and flat.numel() > 1 and bool((flat[1:] <= flat[:-1]).any()):
+        i = int((flat[1:] <= flat[:-1]).nonzero()[0, 0])
+        return f"does not increase at index {i + 1} ({flat[i].item()} -> {flat[i + 1].item()})"
+    if rule.permutation:
+        n = flat.numel()
+        if bool((flat < 0).any()) or bool((flat >= n).any()):
+            return f"has values outside [0, {n})"
+        counts = torch.bincount(flat.long(), minlength=n)
+        if bool((counts != 1).any()):
+            dup = int((counts > 1).nonzero()[0, 0]) if bool((counts > 1).any()) else -1
+            return f"is not a permutation of [0, {n}): value {dup} occurs more than once"
+    if rule.lt is not None:
+        b = _bound(rule.lt, bindings)
+        if b is not None and bool((flat >= b).any()):
+            return f"has a value {int(flat.max())} >= {rule.lt} ({b})"
+    if rule.last is not None:
+        b = _bound(rule.last, bindings)
+        if b is not None and int(flat[-1]) != b:
+            return f"ends with {int(flat[-1])}, not {rule.last} ({b})"
+    if rule.sum is not None:
+        b = _bound(rule.sum, bindings)
+        if b is not None and int(flat.sum()) != b:
+            return f"sums to {int(flat.sum())}, not {rule.sum} ({b})"
+    return None

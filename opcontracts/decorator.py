@@ -1,0 +1,93 @@
+"""``@opcontracts.enforce``: guard a user's own custom-op wrapper, and ``opcontracts.check``."""
+
+from __future__ import annotations
+
+
+import typing
+from collections.abc import Callable
+from typing import Any, TypeVar, overload
+
+from typing_extensions import ParamSpec
+
+from . import _registry
+from ._enforce import check_call, compiled_for, make_guard, params_of
+from .errors import ContractFileError
+from .spec import Arg, Contract
+
+__all__ = ["enforce", "check"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _annotated_args(fn: Callable[..., Any]) -> dict[str, Arg]:
+    try:
+        hints = typing.get_type_hints(fn, include_extras=True)
+    except Exception:  # unresolved forward references: fall back to raw annotations
+        hints = dict(getattr(fn, "__annotations__", {}))
+    out: dict[str, Arg] = {}
+    for name, hint in hints.items():
+        if name == "return":
+            continue
+        if typing.get_origin(hint) is typing.Annotated:
+            for meta in typing.get_args(hint)[1:]:
+                if isinstance(meta, Arg):
+                    out[name] = meta
+    return out
+
+
+def _contract_for(fn: Callable[..., Any], target: str | Contract | None) -> Contract:
+    annotated = _annotated_args(fn)
+    if isinstance(target, Contract):
+        base = target
+    elif isinstance(target, str):
+        base = _registry.get_contract(target)
+    else:
+        if not annotated:
+            raise ContractFileError(
+                f"@enforce on {fn.__qualname__}: give an op name, a Contract, or annotate "
+                "parameters with Annotated[torch.Tensor, opcontracts.Arg(...)]")
+        return Contract(f"{fn.__module__}.{fn.__qualname__}", annotated,
+                        source=f"annotations of {fn.__module__}.{fn.__qualname__}")
+    if annotated:
+        args = dict(base.args)
+        args.update(annotated)
+        base = base.model_copy(update={"args": args})
+    return base
+
+
+@overload
+def enforce(target: Callable[P, R]) -> Callable[P, R]: ...
+@overload
+def enforce(target: str | Contract | None = None) -> Callable[[Callable[P, R]], Callable[P, R]]: ...
+
+
+def enforce(target: Any = None) -> Any:
+    """Guard a function with a contract.
+
+    ``@enforce("npu_moe_token_unpermute")`` uses a registered contract;
+    ``@enforce(Contract(...))`` an inline one; bare ``@enforce`` (or ``@enforce()``) builds one
+    from ``Annotated[torch.Tensor, Arg(...)]`` parameter annotations.  The wrapper keeps the
+    function's name, docstring and signature.
+    """
+    if callable(target) and not isinstance(target, (str, Contract)):
+        return enforce(None)(target)
+
+    def deco(fn: Callable[P, R]) -> Callable[P, R]:
+        contract = _contract_for(fn, target)
+        params = params_of(fn, contract.signature)
+        cc = compiled_for(contract, params)
+        return make_guard(fn, cc)  # type: ignore[return-value]
+
+    return deco
+
+
+def check(op: str | Contract, /, *args: Any, **kwargs: Any) -> None:
+    """Check a call of ``op`` without making it; raises ``ContractViolation`` if it would
+    violate the contract, whatever the mode."""
+    __tracebackhide__ = True
+    contract = op if isinstance(op, Contract) else _registry.get_contract(op)
+    check_call(compiled_for(contract), args, kwargs)
+
+
+
