@@ -41,7 +41,7 @@ class CallSite:
 
 
 def find_call_site(start: FrameType | None = None) -> CallSite | None:
-    f = start if start is not None else sys._getframe(1)
+    f: FrameType | None = start if start is not None else sys._getframe(1)
     while f is not None and _ours(f.f_code.co_filename):
         f = f.f_back
     if f is None:

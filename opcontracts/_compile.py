@@ -86,6 +86,9 @@ class CompiledContract:
     filename: str
     has_values: bool = False
     tensor_args: tuple[str, ...] = field(default=())
+    fast: Callable[..., bool] | None = None
+    """the optimistic checker: True when the call conforms, False when ``check`` must explain"""
+    fast_source: str = ""
 
 
 _counter = itertools.count()
@@ -96,7 +99,8 @@ def _expected_dtypes(names: Sequence[str]) -> str:
 
 
 class _Gen:
-    def __init__(self, contract: Contract, params: Sequence[Param]) -> None:
+    def __init__(self, contract: Contract, params: Sequence[Param], fast: bool = False) -> None:
+        self.fast = fast
         self.c = contract
         self.params = list(params)
         self.rules: list[Rule] = []
@@ -132,6 +136,8 @@ class _Gen:
         return "{" + ", ".join(items) + "}"
 
     def fail(self, rid: int, value: str, index: str = "None") -> str:
+        if self.fast:
+            return "return False"
         return f"return _V({rid}, {value}, {self.bdict()}, {index})"
 
     # -- shape -------------------------------------------------------------------------
@@ -180,13 +186,20 @@ class _Gen:
             if key not in self.pseudo:
                 local = f"_e{len(self.pseudo)}"
                 self.pseudo[key] = local
-                self.emit(ind, f"if {local} is _U: {local} = {size}")
-                self.emit(ind, f"elif {size} != {local}: {self.fail(rid, val, idx)}")
+                if definite:
+                    self.emit(ind, f"{local} = {size}")
+                    self.bound.add(key)
+                else:
+                    self.emit(ind, f"if {local} is _U: {local} = {size}")
+                    self.emit(ind, f"elif {size} != {local}: {self.fail(rid, val, idx)}")
                 guard = " and ".join(f"_d_{n} is not _U" for n in d.names)
                 self.deferred.append(
                     (f"if {local} is not _U and {guard} and {local} != {py}: "
                      f"return _V({rid}, {val if definite else 'None'}, __BINDINGS__, None)", 1)
                 )
+            elif key in self.bound:
+                local = self.pseudo[key]
+                self.emit(ind, f"if {size} != {local}: {self.fail(rid, val, idx)}")
             else:
                 local = self.pseudo[key]
                 self.emit(ind, f"if {local} is _U: {local} = {size}")
@@ -203,6 +216,21 @@ class _Gen:
                 self.emit(ind, f"if {val}.dim() not in {self.const(frozenset(spec.rank))}: "
                                f"{self.fail(rid, val, idx)}")
         if not shapes:
+            return
+        if self.fast and len(shapes) == 1 and not shapes[0].has_ellipsis:
+            # optimistic: tuple unpacking checks the rank (ValueError) and binds the sizes in
+            # one step; cheaper than len() plus indexing
+            sh = shapes[0]
+            n = sh.fixed_rank
+            if n == 0:
+                self.emit(ind, f"if {val}.dim(): return False")
+                return
+            targets = ", ".join(f"_s{i}" for i in range(n))
+            self.emit(ind, f"{targets}{',' if n == 1 else ''} = {val}.shape")
+            rid = self.rule(arg, "shape", f"shape ({sh.text})", spec)
+            for i, d in enumerate(sh.dims):
+                if d.kind != "any":
+                    self.dim_check(ind, d, f"_s{i}", rid, val, idx, definite)
             return
         self.emit(ind, f"_s = {val}.shape")
         if len(shapes) == 1:
@@ -242,7 +270,8 @@ class _Gen:
     def tensor_body(self, ind: int, arg: str, spec: Arg, val: str, idx: str,
                     definite: bool) -> None:
         rid = self.rule(arg, "type", "a tensor", spec)
-        self.emit(ind, f"if not isinstance({val}, _T): {self.fail(rid, val, idx)}")
+        if not self.fast:  # the fast checker lets a non-tensor fail on attribute access
+            self.emit(ind, f"if not isinstance({val}, _T): {self.fail(rid, val, idx)}")
         if spec.dtype is not None:
             dts = [parse_dtype(d) for d in spec.dtype]
             exp = _expected_dtypes(spec.dtype)
@@ -284,6 +313,9 @@ class _Gen:
             self.has_values = True
             rid = self.rule(arg, "value", "values " + _values.describe(spec.values), spec,
                             detail=spec.values)
+            if self.fast:  # values are read by the careful checker only
+                self.deferred.append(("if _VALUES[0]: return False", 1))
+                return
             self.deferred.append((f"if _VALUES[0] and isinstance({val}, _T):", 1))
             self.deferred.append((f"_vr = _vc({rid}, {val}, __BINDINGS__)", 2))
             self.deferred.append(("if _vr is not None: return _V(" + str(rid) + f", {val}, __BINDINGS__, None, _vr)", 2))
@@ -300,7 +332,7 @@ class _Gen:
             rid = self.rule(arg, "missing", "a tensor (this argument is not optional)", spec)
             self.emit(1, f"if {v} is None: {self.fail(rid, v)}")
             # a required argument left out: let the original raise its own TypeError
-            self.emit(1, f"if {v} is _M: return None")
+            self.emit(1, f"if {v} is _M: return {'True' if self.fast else 'None'}")
             ind, definite = 1, True
         if spec.tensor_list:
             rid = self.rule(arg, "type", "a list of tensors", spec)
@@ -365,10 +397,20 @@ class _Gen:
         self.lines[body_start:body_start] = init
         bd = self.bdict()
         for line, ind in self.deferred:
-            self.emit(ind, line.replace("__BINDINGS__", bd))
-        self.emit(1, "return None")
+            line = line.replace("__BINDINGS__", bd)
+            if self.fast and "return _V(" in line:
+                line = line[: line.index("return _V(")] + "return False"
+            self.emit(ind, line)
+        if self.fast:
+            self.lines = ["    try:"] + ["    " + ln for ln in self.lines] + [
+                "    except Exception:  # anything odd: let the careful checker explain",
+                "        return False",
+                "    return True",
+            ]
+        else:
+            self.emit(1, "return None")
         sig = _signature_source(self.params)
-        fname = f"check_{_ident(c.op)}"
+        fname = f"{'fast_' if self.fast else ''}check_{_ident(c.op)}"
         src = f"def {fname}({sig}):\n" + "\n".join(self.lines) + "\n"
         filename = f"<opcontracts check {c.op} #{next(_counter)}>"
         rules = self.rules
@@ -390,7 +432,7 @@ class _Gen:
         exec(code, self.ns)  # noqa: S102 - source generated above from a validated contract
         fn = self.ns[fname]
         return CompiledContract(c, tuple(self.params), fn, rules, src, filename,
-                                self.has_values, self.tensor_args)
+                                self.has_values, self.tensor_args, fn)
 
 
 def _replace_name(py: str, name: str, new: str) -> str:
@@ -444,7 +486,11 @@ def compile_contract(contract: Contract, params: Sequence[Param] | None = None) 
         ):
             raise ContractFileError(f"cannot guard a parameter named {p.name!r}",
                                     file=contract.file, contract=contract.op)
-    return _Gen(contract, params).build()
+    careful = _Gen(contract, params).build()
+    quick = _Gen(contract, params, fast=True).build()
+    careful.fast = quick.check
+    careful.fast_source = quick.source_code
+    return careful
 
 
 def dtype_list(arg: Arg) -> list[str]:

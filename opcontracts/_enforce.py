@@ -47,23 +47,32 @@ def _schema_params(schema: Any) -> list[Param]:
     return out
 
 
-def params_of(fn: Any, signature: Sequence[str] | None = None) -> list[Param] | None:
+def params_of(fn: Any, contract: Any = None) -> list[Param] | None:
     """The parameter list of ``fn``: from a dispatcher schema for ``torch.ops`` objects,
-    from ``inspect.signature`` otherwise; ``None`` when it cannot be read."""
+    from ``inspect.signature`` otherwise.  A ``(*args, **kwargs)`` function (a generic
+    wrapper) takes the contract's ``signature`` or its argument names in order."""
     if isinstance(fn, torch._ops.OpOverloadPacket):
         names = fn.overloads()
         ov = getattr(fn, "default", None) if "default" in names else (
             getattr(fn, names[0]) if names else None)
-        return _schema_params(ov._schema) if ov is not None else None
-    if isinstance(fn, torch._ops.OpOverload):
+        if ov is not None:
+            return _schema_params(ov._schema)
+    elif isinstance(fn, torch._ops.OpOverload):
         return _schema_params(fn._schema)
-    if signature is None:
+    else:
         try:
             sig = inspect.signature(fn)
         except (TypeError, ValueError):
-            return None
-        return [Param(p.name, p.kind.name) for p in sig.parameters.values()]
-    return [Param(n) for n in signature]
+            sig = None
+        if sig is not None:
+            params = [Param(p.name, p.kind.name) for p in sig.parameters.values()]
+            named = {p.name for p in params if p.kind not in ("VAR_POSITIONAL", "VAR_KEYWORD")}
+            varargs = any(p.kind in ("VAR_POSITIONAL", "VAR_KEYWORD") for p in params)
+            if contract is None or not varargs or all(a in named for a in contract.args):
+                return params
+    if contract is None:
+        return None
+    return [Param(n) for n in (contract.signature or tuple(contract.args))]
 
 
 def _inspect_signature(params: Sequence[Param]) -> inspect.Signature:
@@ -303,6 +312,7 @@ def make_guard(fn: Callable[..., Any], cc: CompiledContract, *, op: str | None =
     """Wrap ``fn`` so each call is checked against ``cc`` in the mode in effect."""
     op = op or cc.contract.op
     check = cc.check
+    fast = cc.fast or (lambda *a, **k: check(*a, **k) is None)
     get = _modes._ctx.get        # bound method: no attribute lookups per call
     modes = _modes
     OFF = _modes.OFF
@@ -315,7 +325,9 @@ def make_guard(fn: Callable[..., Any], cc: CompiledContract, *, op: str | None =
         if m is OFF:
             return fn(*args, **kwargs)
         try:
-            raw = check(*args, **kwargs)
+            if fast(*args, **kwargs) is True:  # optimistic straight-line check
+                return fn(*args, **kwargs)
+            raw = check(*args, **kwargs)  # careful check: which rule, and why
         except TypeError:  # the arguments do not even bind: let the original say so
             return fn(*args, **kwargs)
         if raw is None:

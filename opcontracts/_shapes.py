@@ -98,9 +98,9 @@ def _parse_dim(tok: str) -> Dim:
     ):
         a, b = node.left, node.right
         if isinstance(a, ast.Constant) and isinstance(b, ast.Name):
-            solve = (b.id, int(a.value))  # type: ignore[call-overload]
+            solve = (b.id, int(a.value))  # type: ignore[call-overload,arg-type]
         elif isinstance(b, ast.Constant) and isinstance(a, ast.Name):
-            solve = (a.id, int(b.value))  # type: ignore[call-overload]
+            solve = (a.id, int(b.value))  # type: ignore[call-overload,arg-type]
     return Dim("expr", tok, names=tuple(names), py=py, solve=solve)
 
 

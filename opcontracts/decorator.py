@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import typing
 from collections.abc import Callable
 from typing import Any, TypeVar, overload
@@ -36,12 +35,10 @@ def _annotated_args(fn: Callable[..., Any]) -> dict[str, Arg]:
     return out
 
 
-def _contract_for(fn: Callable[..., Any], target: str | Contract | None) -> Contract:
+def _contract_for(fn: Callable[..., Any], target: Contract | None) -> Contract:
     annotated = _annotated_args(fn)
     if isinstance(target, Contract):
         base = target
-    elif isinstance(target, str):
-        base = _registry.get_contract(target)
     else:
         if not annotated:
             raise ContractFileError(
@@ -72,21 +69,31 @@ def enforce(target: Any = None) -> Any:
     """
     if callable(target) and not isinstance(target, (str, Contract)):
         return enforce(None)(target)
+    if isinstance(target, str):  # resolve now: an unknown op fails at decoration time
+        target = _lookup(target)
 
     def deco(fn: Callable[P, R]) -> Callable[P, R]:
         contract = _contract_for(fn, target)
-        params = params_of(fn, contract.signature)
+        params = params_of(fn, contract)
         cc = compiled_for(contract, params)
         return make_guard(fn, cc)  # type: ignore[return-value]
 
     return deco
 
 
+def _lookup(op: str) -> Contract:
+    try:
+        return _registry.get_contract(op)
+    except _registry.UnknownOpError:
+        _registry.load_shipped()  # shipped packs are loaded on first need
+        return _registry.get_contract(op)
+
+
 def check(op: str | Contract, /, *args: Any, **kwargs: Any) -> None:
     """Check a call of ``op`` without making it; raises ``ContractViolation`` if it would
     violate the contract, whatever the mode."""
     __tracebackhide__ = True
-    contract = op if isinstance(op, Contract) else _registry.get_contract(op)
+    contract = op if isinstance(op, Contract) else _lookup(op)
     check_call(compiled_for(contract), args, kwargs)
 
 

@@ -181,10 +181,9 @@ class Arg(_Frozen):
 
     @property
     def is_tensor(self) -> bool:
-        return any(
-            x is not None for x in (self.dtype, self.shape, self.rank, self.same_dtype_as,
-                                    self.same_shape_as)
-        ) or self.contiguous or self.tensor_list or self.values is not None
+        """Arguments are tensors (or tensor lists) unless they carry only scalar rules
+        (``allowed``, ``ge``, ``le``, ``lt``)."""
+        return self.allowed is None and self.ge is None and self.le is None and self.lt is None
 
 
 class When(_Frozen):
@@ -229,7 +228,9 @@ class Contract(_Frozen):
     doc: str | None = None
     signature: tuple[str, ...] | None = None
     """parameter names in call order when the target's signature cannot be read"""
-    same_device: bool = True
+    same_device: bool = False
+    """check that every tensor argument is on the same device (``get_device()``, ~45 ns per
+    tensor: opt-in, since most kernels' own dispatch already rejects mixed devices)"""
     file: str | None = Field(default=None, repr=False)
 
     def __init__(self, op: Any = None, args: Any = None, /, **data: Any) -> None:
