@@ -101,7 +101,7 @@ def _jaxtyping_row(tokens: Any, idx: Any, probs: Any, number: int, repeat: int
     from beartype import beartype as bt
 
     @jaxtyped(typechecker=bt)
-    def f(permuted_tokens: BFloat16[torch.Tensor, "NK H"], sorted_indices: Int32[torch.Tensor, "NK"],  # noqa: F722,F821
+    def f(permuted_tokens: BFloat16[torch.Tensor, "NK H"], sorted_indices: Int32[torch.Tensor, "NK"],  # noqa: F722,F821,UP037
           probs: BFloat16[torch.Tensor, "N K"] | None = None) -> None:  # noqa: F722
         return None
 

@@ -106,6 +106,7 @@ class _Gen:
         self.rules: list[Rule] = []
         self.ns: dict[str, Any] = {
             "_M": MISSING, "_U": _UNBOUND, "_T": torch.Tensor, "_VALUES": _values.ENABLED,
+            "_IL": _int_list_tensor,
         }
         self.lines: list[str] = []
         self.consts = itertools.count()
@@ -269,7 +270,8 @@ class _Gen:
     # -- one argument --------------------------------------------------------------------
     def tensor_body(self, ind: int, arg: str, spec: Arg, val: str, idx: str,
                     definite: bool) -> None:
-        rid = self.rule(arg, "type", "a tensor", spec)
+        rid = self.rule(arg, "type", "a tensor or a list of ints" if spec.int_list else "a tensor",
+                        spec)
         if not self.fast:  # the fast checker lets a non-tensor fail on attribute access
             self.emit(ind, f"if not isinstance({val}, _T): {self.fail(rid, val, idx)}")
         if spec.dtype is not None:
@@ -304,6 +306,18 @@ class _Gen:
             rid = self.rule(arg, "contiguous", "a contiguous tensor", spec)
             self.emit(ind, f"if not {val}.is_contiguous(): {self.fail(rid, val, idx)}")
         self.shape_checks(ind, arg, spec, val, idx, definite)
+        if spec.numel_lt is not None:
+            rid = self.rule(arg, "shape", f"fewer than {spec.numel_lt} elements", spec)
+            self.emit(ind, f"if {val}.numel() >= {spec.numel_lt}: {self.fail(rid, val, idx)}")
+        for name, b in (spec.dims or {}).items():
+            shape = " or ".join(f"({s})" for s in spec.shape or ())
+            for op_name, sym, bad in (("ge", ">=", "<"), ("le", "<=", ">"), ("lt", "<", ">=")):
+                bound = getattr(b, op_name)
+                if bound is None:
+                    continue
+                rid = self.rule(arg, "shape", f"shape {shape} with {name} {sym} {bound}", spec)
+                guard = "" if name in self.bound else f"_d_{name} is not _U and "
+                self.emit(ind, f"if {guard}_d_{name} {bad} {bound}: {self.fail(rid, val, idx)}")
         if spec.same_shape_as is not None:
             p = spec.same_shape_as
             rid = self.rule(arg, "same_shape", f"the shape of {p}", spec, partner=p)
@@ -334,6 +348,8 @@ class _Gen:
             # a required argument left out: let the original raise its own TypeError
             self.emit(1, f"if {v} is _M: return {'True' if self.fast else 'None'}")
             ind, definite = 1, True
+        if spec.int_list:
+            self.emit(ind, f"if isinstance({v}, (list, tuple)): {v} = _IL({v})")
         if spec.tensor_list:
             rid = self.rule(arg, "type", "a list of tensors", spec)
             self.emit(ind, f"if not isinstance({v}, (list, tuple)): {self.fail(rid, v)}")
@@ -435,6 +451,14 @@ class _Gen:
                                 self.has_values, self.tensor_args, fn)
 
 
+def _int_list_tensor(v: list[Any] | tuple[Any, ...]) -> Any:
+    """A list of ints as the 1-D int64 tensor the kernel would build from it; anything else
+    unchanged (so the type rule reports it)."""
+    if all(type(x) is int for x in v):
+        return torch.tensor(v, dtype=torch.int64)
+    return v
+
+
 def _replace_name(py: str, name: str, new: str) -> str:
     import re
 
@@ -482,7 +506,7 @@ def compile_contract(contract: Contract, params: Sequence[Param] | None = None) 
         params = [Param(n) for n in names]
     for p in params:
         if not p.name.isidentifier() or p.name.startswith("_d_") or p.name in (
-            "_M", "_U", "_T", "_V", "_s", "_r", "_x", "_i", "_dev", "_vc", "_vr", "_VALUES"
+            "_M", "_U", "_T", "_V", "_s", "_r", "_x", "_i", "_dev", "_vc", "_vr", "_VALUES", "_IL"
         ):
             raise ContractFileError(f"cannot guard a parameter named {p.name!r}",
                                     file=contract.file, contract=contract.op)

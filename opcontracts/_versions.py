@@ -1,41 +1,481 @@
-"""Versions of torch_npu, CANN, MindSpeed and the chip, and ``when`` conditions over them.
+"""Versions of torch_npu, CANN, MindSpeed, torch and the chip, and ``when`` conditions over them.
 
-Placeholder for the version detection of issue #3: everything unknown, so every candidate
-contract applies (the strictest reading).
+Why detection never imports torch_npu: without the CANN toolkit ``import torch_npu`` fails
+(``libhccl.so`` missing), and once torch_npu is installed even ``import torch`` can fail through
+its backend entry point.  So versions come from places that are safe to read:
+
+========== ===========================================================================
+torch_npu  ``set_versions`` > ``OPCONTRACTS_TORCH_NPU_VERSION`` > a ``torch_npu`` module
+           already in ``sys.modules`` (the emulation's stand-in says so with
+           ``__opcontracts_emulation__``) > package metadata (``torch-npu`` / ``torch_npu``)
+cann       ``set_versions`` > ``OPCONTRACTS_CANN_VERSION`` > the toolkit's
+           ``<arch>-linux/ascend_toolkit_install.info`` (``version=``) or ``version.cfg``
+           (``toolkit_running_version=[inner:8.0.RC3]``) under ``ASCEND_TOOLKIT_HOME``,
+           ``ASCEND_HOME_PATH``, ``/usr/local/Ascend/ascend-toolkit/latest`` or
+           ``/usr/local/Ascend/cann``
+mindspeed  ``set_versions`` > ``OPCONTRACTS_MINDSPEED_VERSION`` > ``sys.modules['mindspeed']``
+           > package metadata (``mindspeed``)
+torch      ``torch.__version__`` when imported, else package metadata
+soc        ``set_versions`` > ``OPCONTRACTS_SOC`` (no safe way to ask the driver)
+========== ===========================================================================
+
+CANN names its releases ``8.0.RC3``, ``8.0.RC2.alpha003``, ``8.1.RC1``: ``normalize_version``
+turns them into PEP 440 (``8.0rc3``, ``8.0rc2.dev3``) so ``8.0.RC3 < 8.0.0``, as in reality.
+Specifiers are evaluated by plain version ordering, not by ``SpecifierSet.contains``: PEP 440
+says ``<8.0.0`` excludes ``8.0rc3`` (a pre-release of 8.0.0), which is the opposite of what a
+contract written against CANN's numbering means.
+
+Detection runs once and is cached; ``current()`` then costs two ``sys.modules`` lookups (to
+notice a torch_npu or mindspeed stand-in installed later).  Environment variables are read at
+detection time: after changing them in-process, call ``opcontracts.set_versions()`` (no
+arguments re-detects).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+import re
+import sys
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from functools import lru_cache
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
 
 from .spec import When
 
-__all__ = ["Env", "current", "applies"]
+__all__ = [
+    "Env", "FIELDS", "current", "refresh", "applies", "explain", "describe", "set_versions",
+    "normalize_version", "parse_version", "satisfies", "soc_matches",
+]
+
+FIELDS: tuple[str, ...] = ("torch_npu", "cann", "mindspeed", "torch", "soc")
+"""The names a ``when`` table may use, in display order."""
+
+ENV_VARS: dict[str, str] = {
+    "torch_npu": "OPCONTRACTS_TORCH_NPU_VERSION",
+    "cann": "OPCONTRACTS_CANN_VERSION",
+    "mindspeed": "OPCONTRACTS_MINDSPEED_VERSION",
+    "soc": "OPCONTRACTS_SOC",
+}
+
+CANN_ROOT_VARS: tuple[str, ...] = ("ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH")
+CANN_DEFAULT_ROOTS: list[str] = ["/usr/local/Ascend/ascend-toolkit/latest", "/usr/local/Ascend/cann"]
+"""Searched after the environment variables; a list so tests can point it elsewhere."""
+
+UNKNOWN = "unknown"
 
 
 @dataclass(frozen=True)
 class Env:
+    """The detected environment.  Versions are the raw strings as found (``8.0.RC3``);
+    ``None`` means unknown.  ``origins`` says where each came from, ``emulated`` which
+    packages are opcontracts' CPU stand-ins rather than the real thing."""
+
     torch_npu: str | None = None
     cann: str | None = None
     mindspeed: str | None = None
     torch: str | None = None
     soc: str | None = None
+    origins: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+    emulated: tuple[str, ...] = ()
+
+    def origin(self, name: str) -> str:
+        """Where ``name``'s value came from (``"unknown"`` when nothing was found)."""
+        return dict(self.origins).get(name, UNKNOWN)
 
 
-def current() -> Env:
-    return Env()
+# --------------------------------------------------------------------------- versions
+_CANN_RE = re.compile(
+    r"^(?P<rel>\d+(?:\.\d+)*)"
+    r"(?:[.\-_]?(?P<pre>rc|alpha|beta|a|b)[.\-_]?(?P<pren>\d+))?"
+    r"(?:[.\-_]?(?P<build>alpha|beta|[a-z])[.\-_]?(?P<buildn>\d+))?$",
+    re.IGNORECASE,
+)
+
+
+def normalize_version(text: str) -> str | None:
+    """The PEP 440 spelling of a torch_npu / CANN / MindSpeed version, or ``None``.
+
+    ``8.0.RC3`` -> ``8.0rc3``; ``8.0.RC2.alpha003`` -> ``8.0rc2.dev3`` (an early build of RC2,
+    so it sorts before ``8.0rc2``); ``8.0.0.alpha001`` -> ``8.0.0a1``; ``CANN-1.83`` -> ``1.83``;
+    ``2.5.1.post1.dev20250519`` and ``2.13.0+cpu`` are already PEP 440 and kept.
+    """
+    s = text.strip()
+    for prefix in ("CANN-", "cann-", "v", "V"):
+        if s.startswith(prefix) and s[len(prefix):][:1].isdigit():
+            s = s[len(prefix):]
+    if not s:
+        return None
+    try:
+        return str(Version(s))
+    except InvalidVersion:
+        pass
+    m = _CANN_RE.match(s)
+    if m is None:
+        return None
+    out = m["rel"]
+    if m["pre"]:
+        pre = m["pre"].lower()
+        out += {"alpha": "a", "beta": "b"}.get(pre, pre) + str(int(m["pren"]))
+    if m["build"]:
+        # a build tag after a pre-release (RC2.alpha003, RC1.B010) marks an earlier build of it
+        out += f".dev{int(m['buildn'])}"
+    try:
+        return str(Version(out))
+    except InvalidVersion:  # pragma: no cover - the regex only builds valid versions
+        return None
+
+
+@lru_cache(maxsize=256)
+def parse_version(text: str | None) -> Version | None:
+    """``Version`` of a raw version string (local part dropped: ``2.13.0+cpu`` is 2.13.0),
+    or ``None`` when it is missing or cannot be read."""
+    if not text:
+        return None
+    norm = normalize_version(text)
+    if norm is None:
+        return None
+    return Version(Version(norm).public)
+
+
+@lru_cache(maxsize=256)
+def _specifiers(spec: str) -> tuple[tuple[str, str], ...]:
+    try:
+        return tuple((s.operator, s.version) for s in SpecifierSet(spec))
+    except InvalidSpecifier:
+        raise ValueError(f"not a version specifier: {spec!r}") from None
+
+
+def _one(v: Version, op: str, target: str) -> bool:
+    if op == "===":
+        return str(v) == target
+    if target.endswith(".*") and op in ("==", "!="):
+        t = parse_version(target[:-2])
+        if t is None:
+            raise ValueError(f"cannot read version {target!r}")
+        n = len(t.release)
+        same = (v.release + (0,) * n)[:n] == t.release
+        return same if op == "==" else not same
+    t = parse_version(target)
+    if t is None:
+        raise ValueError(f"cannot read version {target!r}")
+    if op == "~=":
+        prefix = t.release[:-1]
+        return v >= t and v.release[:len(prefix)] == prefix
+    return {
+        "==": v == t, "!=": v != t, "<": v < t, "<=": v <= t, ">": v > t, ">=": v >= t,
+    }[op]
+
+
+def satisfies(version: str | Version, spec: str) -> bool:
+    """Whether ``version`` meets ``spec`` (``">=8.0.0"``, ``"<2.13,>=2.7.1"``), comparing
+    normalised versions by plain ordering, pre-releases included: ``8.0.RC3`` meets ``<8.0.0``."""
+    v = version if isinstance(version, Version) else parse_version(version)
+    if v is None:
+        raise ValueError(f"cannot read version {version!r}")
+    return all(_one(v, op, target) for op, target in _specifiers(spec))
+
+
+def soc_matches(soc: str, names: Iterable[str]) -> bool:
+    """Whether the chip ``soc`` is one of ``names``: case-insensitive, exact or by prefix, so
+    ``Ascend910B`` matches ``Ascend910B1`` .. ``Ascend910B4`` (and ``Ascend910`` matches every
+    910 variant, 910B and 910_93 included)."""
+    s = soc.strip().casefold()
+    return any(s.startswith(n.strip().casefold()) for n in names if n.strip())
+
+
+# --------------------------------------------------------------------------- when
+def _conditions(when: When) -> list[tuple[str, Any]]:
+    return [(name, getattr(when, name)) for name in FIELDS if getattr(when, name) is not None]
 
 
 def applies(when: When | None, env: Env) -> bool | None:
-    """True, False, or None when a version it needs is unknown."""
+    """``True`` when every condition of ``when`` holds in ``env``, ``False`` when one fails,
+    ``None`` when none fails but one needs a version (or chip) that is unknown.
+
+    A failed condition wins over an unknown one: a contract for ``torch_npu >=2.13`` does not
+    apply under torch_npu 2.7.1 whatever CANN is.
+    """
     if when is None:
         return True
-    return None
+    unknown = False
+    for name, cond in _conditions(when):
+        have = getattr(env, name)
+        if name == "soc":
+            if not have:
+                unknown = True
+            elif not soc_matches(have, cond):
+                return False
+            continue
+        v = parse_version(have)
+        if v is None:
+            unknown = True
+        elif not satisfies(v, cond):
+            return False
+    return None if unknown else True
+
+
+def _cond_text(name: str, cond: Any) -> str:
+    if name == "soc":
+        return "soc " + " or ".join(cond)
+    return f"{name} {cond}"
 
 
 def explain(when: When | None, env: Env) -> str:
-    return "version conditions not met"
+    """Why ``when`` does or does not apply in ``env``, one clause per condition that decides."""
+    if when is None:
+        return "no version conditions"
+    failed, unknown, met = [], [], []
+    for name, cond in _conditions(when):
+        have = getattr(env, name)
+        text = _cond_text(name, cond)
+        if name == "soc":
+            if not have:
+                unknown.append(f"{text}: soc unknown (set OPCONTRACTS_SOC)")
+            elif soc_matches(have, cond):
+                met.append(f"{text}: found {have}")
+            else:
+                failed.append(f"needs {text}, found {have}")
+            continue
+        v = parse_version(have)
+        shown = have if v is None or str(v) == have else f"{have} (= {v})"
+        if v is None:
+            hint = ENV_VARS.get(name)
+            why = "unknown" if not have else f"{have!r} is not a version"
+            unknown.append(f"{text}: {name} {why}" + (f" (set {hint})" if hint else ""))
+        elif satisfies(v, cond):
+            met.append(f"{text}: found {shown}")
+        else:
+            failed.append(f"needs {text}, found {shown}")
+    if failed:
+        return "; ".join(failed)
+    if unknown:
+        return "; ".join(unknown)
+    return "; ".join(met) or "no version conditions"
+
+
+# --------------------------------------------------------------------------- detection
+_lock = threading.RLock()
+_overrides: dict[str, str] = {}
+_cache: tuple[Any, Any, Env] | None = None
+
+
+def _dist_version(*names: str) -> tuple[str, str] | None:
+    for n in names:
+        try:
+            return metadata.version(n), f"package metadata ({n})"
+        except metadata.PackageNotFoundError:
+            continue
+        except Exception:  # pragma: no cover - a broken dist-info must not break detection
+            continue
+    return None
+
+
+def _module_version(modname: str, mod: Any, dists: tuple[str, ...]
+                    ) -> tuple[str | None, str, bool] | None:
+    """(version, origin, is_emulation) from a module already imported, else from metadata."""
+    if mod is not None:
+        emu = getattr(mod, "__opcontracts_emulation__", None)
+        ver = getattr(mod, "__version__", None)
+        ver = str(ver) if ver else None
+        if emu:
+            what = f" ({emu})" if isinstance(emu, str) else ""
+            return ver, f"opcontracts emulation stand-in{what}: sys.modules[{modname!r}]", True
+        if ver:
+            return ver, f"{modname}.__version__ (already imported)", False
+    found = _dist_version(*dists)
+    if found is not None:
+        return found[0], found[1], False
+    return None
+
+
+def _read_key(path: Path, keys: tuple[str, ...]) -> str | None:
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()[:200]
+    except OSError:
+        return None
+    values = {}
+    for line in lines:
+        k, sep, v = line.partition("=")
+        if sep:
+            values[k.strip().lower()] = v.strip()
+    for key in keys:
+        v = values.get(key)
+        if v:
+            v = v.strip("[]")
+            # version.cfg: [7.5.0.1.129:8.0.RC3] -> the CANN version after the colon
+            return v.rpartition(":")[2].strip() or None
+    return None
+
+
+def _cann_roots() -> list[tuple[Path, str]]:
+    roots = []
+    for var in CANN_ROOT_VARS:
+        val = os.environ.get(var)
+        if val:
+            roots.append((Path(val), f"${var}"))
+    roots += [(Path(p), p) for p in CANN_DEFAULT_ROOTS]
+    return roots
+
+
+def detect_cann() -> tuple[str, str] | None:
+    """(version, file it was read from) of the CANN toolkit, or ``None``."""
+    for root, label in _cann_roots():
+        try:
+            if not root.is_dir():
+                continue
+            infos = sorted(root.glob("*-linux/ascend_toolkit_install.info"))
+            infos.append(root / "ascend_toolkit_install.info")
+        except OSError:
+            continue
+        for info in infos:
+            if info.is_file():
+                v = _read_key(info, ("version",))
+                if v:
+                    return v, f"{info} (via {label})"
+        cfg = root / "version.cfg"
+        if cfg.is_file():
+            v = _read_key(cfg, ("toolkit_running_version", "runtime_running_version"))
+            if v:
+                return v, f"{cfg} (via {label})"
+    return None
+
+
+def _detect() -> Env:
+    values: dict[str, str | None] = dict.fromkeys(FIELDS)
+    origins: dict[str, str] = {}
+    emulated: list[str] = []
+
+    def put(name: str, value: str | None, origin: str) -> None:
+        values[name] = value
+        origins[name] = origin
+
+    for name in FIELDS:
+        if name in _overrides:
+            ov = _overrides[name]
+            put(name, None if ov.lower() == UNKNOWN else ov, "set_versions()")
+            continue
+        var = ENV_VARS.get(name)
+        raw = os.environ.get(var, "").strip() if var else ""
+        if raw:
+            put(name, None if raw.lower() == UNKNOWN else raw, f"${var}")
+            continue
+        if name in ("torch_npu", "mindspeed"):
+            dists = ("torch-npu", "torch_npu") if name == "torch_npu" else ("mindspeed",)
+            found = _module_version(name, sys.modules.get(name), dists)
+            if found is not None:
+                put(name, found[0], found[1])
+                if found[2]:
+                    emulated.append(name)
+        elif name == "cann":
+            cann = detect_cann()
+            if cann is not None:
+                put(name, cann[0], cann[1])
+        elif name == "torch":
+            found = _module_version("torch", sys.modules.get("torch"), ("torch",))
+            if found is not None:
+                put(name, found[0], found[1])
+    return Env(**values, origins=tuple(origins.items()), emulated=tuple(emulated))
+
+
+def _fingerprint() -> tuple[Any, Any]:
+    m = sys.modules
+    return m.get("torch_npu"), m.get("mindspeed")
+
+
+def _invalidate_registry() -> None:
+    # The registry imports this module, never the reverse: reach it only if it is loaded.
+    reg = sys.modules.get("opcontracts._registry")
+    if reg is not None:
+        reg.invalidate()
+
+
+def current() -> Env:
+    """The environment, detected on first use and cached.
+
+    Re-detected (and the registry's resolutions dropped) when a different ``torch_npu`` or
+    ``mindspeed`` module appears in ``sys.modules``, e.g. after ``emulation.install()``.
+    """
+    global _cache
+    c = _cache
+    if c is not None:
+        m = sys.modules
+        if m.get("torch_npu") is c[0] and m.get("mindspeed") is c[1]:
+            return c[2]
+    with _lock:
+        fp = _fingerprint()
+        env = _detect()
+        changed = c is not None and c[2] != env
+        _cache = (fp[0], fp[1], env)
+    if changed:
+        _invalidate_registry()
+    return env
+
+
+def refresh() -> Env:
+    """Forget the cached detection (re-reading environment variables and files) and drop the
+    registry's resolutions."""
+    global _cache
+    with _lock:
+        _cache = None
+    _invalidate_registry()
+    return current()
+
+
+_KEEP: Any = object()
+
+
+def set_versions(*, torch_npu: str | None = _KEEP, cann: str | None = _KEEP,
+                 mindspeed: str | None = _KEEP, soc: str | None = _KEEP) -> dict[str, str | None]:
+    """Declare versions in code, over environment variables and detection.
+
+    ``set_versions(cann="8.0.RC3")`` pins CANN; ``None`` removes a pin (back to detection);
+    ``"unknown"`` forces unknown (every candidate contract applies, merged into the strictest).
+    Arguments left out keep their pin.  Returns the previous pins of all four names, so
+    ``prev = set_versions(...); ...; set_versions(**prev)`` restores them.  Without arguments
+    it only re-detects (after changing ``os.environ`` in-process).
+
+    Resolutions of contracts are recomputed on their next use; guards made earlier by
+    ``enforce("op")`` keep the contract they resolved.
+    """
+    given = {"torch_npu": torch_npu, "cann": cann, "mindspeed": mindspeed, "soc": soc}
+    with _lock:
+        prev: dict[str, str | None] = {k: _overrides.get(k) for k in given}
+        for k, v in given.items():
+            if v is _KEEP:
+                continue
+            if v is None:
+                _overrides.pop(k, None)
+            elif not isinstance(v, str) or not v.strip():
+                raise TypeError(f"set_versions({k}=...): expected a version string or None, "
+                                f"got {v!r}")
+            else:
+                if k != "soc" and v.strip().lower() != UNKNOWN and normalize_version(v) is None:
+                    raise ValueError(f"set_versions({k}={v!r}): not a version "
+                                     "(try '2.13.0' or '8.0.RC3')")
+                _overrides[k] = v.strip()
+    refresh()
+    return prev
 
 
 def describe(env: Env) -> dict[str, str]:
-    return {k: (v or "unknown") for k, v in env.__dict__.items()}
+    """``{name: "value (origin)"}`` for display, ``"unknown (...)"`` where nothing was found."""
+    out = {}
+    for name in FIELDS:
+        v = getattr(env, name)
+        origin = env.origin(name)
+        if v is None:
+            var = ENV_VARS.get(name)
+            hint = f"set {var}" if var else "not found"
+            out[name] = f"unknown ({origin}; {hint})" if origin != UNKNOWN else f"unknown ({hint})"
+            continue
+        norm = parse_version(v) if name != "soc" else None
+        shown = v if norm is None or str(norm) == v else f"{v} (= {norm})"
+        out[name] = f"{shown}  [{origin}]"
+    return out

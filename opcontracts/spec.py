@@ -34,7 +34,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["Arg", "Contract", "When", "ValueRule", "load_contracts", "contracts_from_toml"]
+__all__ = ["Arg", "Contract", "When", "ValueRule", "DimBound", "load_contracts",
+           "contracts_from_toml"]
 
 _Bound = int | str  # an integer or a shape expression over bound names ("N*K", "E")
 
@@ -78,6 +79,21 @@ class ValueRule(_Frozen):
     _v = field_validator("lt", "last", "sum", mode="before")(_check_bound)
 
 
+class DimBound(_Frozen):
+    """Limits on one named size of a shape (``dims = {K = {le = 512}}``): kernels document
+    such limits (topK <= 512, head dim < 896) and fail or misbehave beyond them."""
+
+    ge: int | None = None
+    le: int | None = None
+    lt: int | None = None
+
+    @model_validator(mode="after")
+    def _some(self) -> DimBound:
+        if (self.ge, self.le, self.lt) == (None, None, None):
+            raise ValueError("give at least one of ge, le, lt")
+        return self
+
+
 class Arg(_Frozen):
     """The rules for one argument.
 
@@ -108,6 +124,13 @@ class Arg(_Frozen):
     allowed: tuple[Any, ...] | None = None
     """for non-tensor arguments: the values that are supported"""
     values: ValueRule | None = None
+    dims: dict[str, DimBound] | None = None
+    """bounds on sizes named in this argument's shape: ``dims = {K = {le = 512}}``"""
+    numel_lt: int | None = None
+    """the tensor has fewer than this many elements (kernels index with 24- or 32-bit ints)"""
+    int_list: bool = False
+    """a list or tuple of ints is accepted too, checked as a 1-D int64 tensor (MindSpeed's gmm
+    takes ``group_list`` either way)"""
     source: str | None = None
     hint: str | None = None
     """a suggested fix that replaces the generated one"""
@@ -174,6 +197,16 @@ class Arg(_Frozen):
         return tuple(items)
 
     _b = field_validator("ge", "le", "lt", mode="before")(_check_bound)
+
+    @model_validator(mode="after")
+    def _dims_named(self) -> Arg:
+        if self.dims:
+            named = {n for s in (self.shape or ()) for n in parse_shape(s).names}
+            missing = [n for n in self.dims if n not in named]
+            if missing:
+                raise ValueError(f"dims names {missing}, which the shape of this argument "
+                                 "does not mention")
+        return self
 
     @property
     def torch_dtypes(self) -> tuple[Any, ...] | None:
