@@ -10,12 +10,16 @@ from types import FrameType
 __all__ = ["CallSite", "find_call_site"]
 
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_SKIP_SUFFIXES = (
-    os.sep + os.path.join("torch", "_ops.py"),
-    os.sep + os.path.join("torch", "autograd", "function.py"),
-    os.sep + "contextlib.py",
-    os.sep + "functools.py",
-)
+def _torch_dir() -> str:
+    import torch
+
+    return os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+
+# torch's own frames (dispatch modes, autograd engine entry, dynamo's wrappers, _ops.py) sit
+# between our wrapper and the user's line; the call site is the first frame in neither package.
+_TORCH_DIR = _torch_dir()
+_SKIP_SUFFIXES = (os.sep + "contextlib.py", os.sep + "functools.py")
 _EXTRA_SKIP: list[str] = []  # folders of stand-in modules (the emulation) also count as ours
 
 
@@ -24,7 +28,7 @@ def _ours(filename: str) -> bool:
         return True
     if filename.startswith("<opcontracts"):
         return True
-    if filename.endswith(_SKIP_SUFFIXES):
+    if filename.startswith(_TORCH_DIR) or filename.endswith(_SKIP_SUFFIXES):
         return True
     return any(filename.startswith(p) for p in _EXTRA_SKIP)
 

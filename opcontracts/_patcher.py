@@ -1,0 +1,362 @@
+"""The machinery behind ``import opcontracts.patch``: find targets, wrap them, undo it.
+
+Kinds of target (a dotted path in a contract's ``targets``):
+
+* a module attribute (``torch_npu.npu_swiglu``, ``mindspeed.ops.gmm.npu_gmm``): a function or
+  an ``OpOverloadPacket``;
+* an op packet in a ``torch.ops`` namespace (``torch.ops.npu.npu_swiglu``);
+* a class attribute (``pkg.mod.Class.method``), including ``staticmethod``/``classmethod``;
+* a ``torch.autograd.Function`` subclass (``pkg.mod.MyFunction``): its ``apply`` is guarded.
+
+Only modules already in ``sys.modules`` are touched: the patch never imports anything (importing
+torch_npu without CANN fails and can break ``import torch``).  Targets in modules not imported yet
+are *pending*: an import hook on ``sys.meta_path`` wraps the loader of exactly the modules on a
+pending target's path and patches them the moment they finish executing, before the importer's
+``from x import f`` runs.  Unrelated imports cost one set lookup.
+
+Every change is recorded as (owner, attribute, original object) so ``unpatch`` restores the
+originals ``is``-identically.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import logging
+import sys
+import threading
+import types
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ._enforce import compiled_for, make_guard, params_of
+from .spec import Contract
+
+__all__ = ["Patcher", "PatchRecord"]
+
+log = logging.getLogger("opcontracts.patch")
+
+_MISSING = object()
+
+
+@dataclass
+class PatchRecord:
+    """One change made by the patch."""
+
+    target: str
+    op: str
+    kind: str  # function | packet | method | staticmethod | classmethod | autograd.Function | alias
+    owner: Any = field(repr=False)
+    attr: str
+    original: Any = field(repr=False)  # the raw object found in owner.__dict__ (or _MISSING)
+    where: str = ""
+
+    def restore(self) -> None:
+        if self.original is _MISSING:
+            try:
+                delattr(self.owner, self.attr)
+            except AttributeError:
+                pass
+        else:
+            setattr(self.owner, self.attr, self.original)
+
+
+def _owner_name(owner: Any) -> str:
+    if isinstance(owner, types.ModuleType):
+        return owner.__name__
+    if isinstance(owner, type):
+        return f"{owner.__module__}.{owner.__qualname__}"
+    return repr(owner)
+
+
+def _is_autograd_function(obj: Any) -> bool:
+    return isinstance(obj, type) and issubclass(obj, torch.autograd.Function)
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """Delegates to the real loader, then patches the module it just executed."""
+
+    def __init__(self, loader: Any, patcher: Patcher) -> None:
+        self._loader = loader
+        self._patcher = patcher
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        create = getattr(self._loader, "create_module", None)
+        return create(spec) if create is not None else None
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        self._loader.exec_module(module)
+        # restore the real loader so reloads and introspection see it
+        spec = getattr(module, "__spec__", None)
+        if spec is not None and spec.loader is self:
+            spec.loader = self._loader
+        try:
+            module.__loader__ = self._loader
+        except AttributeError:  # pragma: no cover
+            pass
+        self._patcher.on_import(module.__name__)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, is_package, get_filename, ...
+        return getattr(self._loader, name)
+
+
+class _ImportHook(importlib.abc.MetaPathFinder):
+    """A meta-path finder that only answers for modules on a pending target's path."""
+
+    def __init__(self, patcher: Patcher) -> None:
+        self._patcher = patcher
+        self._busy = threading.local()
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None = None,
+                  target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in self._patcher.watched:  # unrelated imports: one set lookup
+            return None
+        if getattr(self._busy, "on", False):
+            return None
+        self._busy.on = True
+        try:
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    break
+            else:
+                return None
+        finally:
+            self._busy.on = False
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _PatchingLoader(spec.loader, self._patcher)
+        return spec
+
+
+class Patcher:
+    """Holds the state of one patch: records, pending targets, the import hook."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.records: list[PatchRecord] = []
+        self.guards: dict[int, tuple[Any, Callable[..., Any]]] = {}  # id(original) -> (original, guard)
+        self.guard_ids: set[int] = set()
+        self.pending: dict[str, Contract] = {}  # target path -> contract
+        self.missing: dict[str, str] = {}  # target path -> why, reported once
+        self.watched: frozenset[str] = frozenset()
+        self.hook: _ImportHook | None = None
+        self.contracts: list[Contract] = []
+        self.active = False
+
+    # ------------------------------------------------------------------ public-ish
+    def apply(self, contracts: Iterable[Contract]) -> None:
+        with self.lock:
+            self.active = True
+            for c in contracts:
+                if all(c is not old for old in self.contracts):
+                    self.contracts.append(c)
+                for t in c.targets:
+                    if not self._already_patched(t):
+                        self.pending[t] = c
+            self._retry_pending()
+            self._install_hook()
+
+    def unpatch(self) -> None:
+        with self.lock:
+            for rec in reversed(self.records):
+                rec.restore()
+            self.records.clear()
+            self.guards.clear()
+            self.guard_ids.clear()
+            self.pending.clear()
+            self.missing.clear()
+            self.contracts.clear()
+            self.watched = frozenset()
+            if self.hook is not None:
+                try:
+                    sys.meta_path.remove(self.hook)
+                except ValueError:
+                    pass
+                self.hook = None
+            self.active = False
+
+    def on_import(self, name: str) -> None:
+        with self.lock:
+            if self.active:
+                self._retry_pending()
+
+    # ------------------------------------------------------------------ internals
+    def _already_patched(self, target: str) -> bool:
+        return any(r.target == target and r.kind != "alias" for r in self.records)
+
+    def _install_hook(self) -> None:
+        watched: set[str] = set()
+        for t in self.pending:
+            parts = t.split(".")
+            for i in range(1, len(parts)):
+                watched.add(".".join(parts[:i]))
+        if any(t.startswith("torch.ops.") for t in self.pending):
+            watched.add("torch_npu")  # importing torch_npu registers the npu ops
+        self.watched = frozenset(watched)
+        if self.pending and self.hook is None:
+            self.hook = _ImportHook(self)
+            sys.meta_path.insert(0, self.hook)
+        elif not self.pending and self.hook is not None:
+            try:
+                sys.meta_path.remove(self.hook)
+            except ValueError:
+                pass
+            self.hook = None
+
+    def _retry_pending(self) -> None:
+        done: list[str] = []
+        new_originals: dict[int, tuple[Any, Callable[..., Any]]] = {}
+        for target, contract in list(self.pending.items()):
+            status = self._try_patch(target, contract, new_originals)
+            if status is None:
+                done.append(target)
+                self.missing.pop(target, None)
+            elif status != "pending" and target not in self.missing:
+                self.missing[target] = status
+                log.debug("opcontracts: target %s of %s not found: %s", target, contract.op, status)
+        for t in done:
+            self.pending.pop(t, None)
+        if new_originals:
+            self._rebind_aliases(new_originals)
+        self._install_hook()
+
+    def _resolve_owner(self, target: str) -> tuple[Any, str, str] | str:
+        """(owner object, attribute, owner module name) or a reason string."""
+        parts = target.split(".")
+        for i in range(len(parts) - 1, 0, -1):
+            modname = ".".join(parts[:i])
+            mod = sys.modules.get(modname)
+            if mod is None:
+                continue
+            owner: Any = mod
+            for p in parts[i:-1]:
+                try:
+                    owner = getattr(owner, p)
+                except (AttributeError, RuntimeError) as exc:
+                    return f"{modname} has no attribute path {'.'.join(parts[i:-1])} ({exc})"
+            return owner, parts[-1], modname
+        return "pending"
+
+    def _try_patch(self, target: str, contract: Contract,
+                   new_originals: dict[int, tuple[Any, Callable[..., Any]]]) -> str | None:
+        res = self._resolve_owner(target)
+        if isinstance(res, str):
+            return res
+        owner, attr, _modname = res
+        try:
+            raw = owner.__dict__.get(attr, _MISSING) if hasattr(owner, "__dict__") else _MISSING
+        except Exception:  # pragma: no cover - exotic owners
+            raw = _MISSING
+        try:
+            current = getattr(owner, attr)
+        except (AttributeError, RuntimeError):
+            if isinstance(owner, types.ModuleType) or type(owner).__name__ == "_OpNamespace":
+                return "pending"  # the module may define it later (torch.ops.npu before torch_npu)
+            return f"{_owner_name(owner)} has no attribute {attr!r}"
+        if id(current) in self.guard_ids:
+            return None  # already ours (an alias rebound earlier, or applied twice)
+        if getattr(current, "__opcontracts_patched__", False):
+            return None
+        if _is_autograd_function(current) and getattr(
+                getattr(current.__dict__.get("apply"), "__func__", None),
+                "__opcontracts_patched__", False):
+            return None
+        try:
+            guard, kind, to_set, orig_callable = self._make(owner, attr, raw, current, contract)
+        except Exception as exc:  # a bad target must never break the job
+            return f"cannot guard {target}: {exc}"
+        if kind.startswith("autograd"):
+            return None  # the class stays where it is; its apply was guarded in _make
+        setattr(owner, attr, to_set)
+        self.records.append(PatchRecord(target, contract.op, kind, owner, attr, raw,
+                                        _owner_name(owner)))
+        self.guard_ids.add(id(guard))
+        if kind in ("function", "packet"):
+            self.guards[id(orig_callable)] = (orig_callable, guard)
+            new_originals[id(orig_callable)] = (orig_callable, guard)
+        return None
+
+    def _guard_for(self, original: Any, contract: Contract, params_from: Any = None
+                   ) -> Callable[..., Any]:
+        hit = self.guards.get(id(original))
+        if hit is not None and hit[0] is original:
+            return hit[1]
+        params = params_of(params_from if params_from is not None else original, contract)
+        cc = compiled_for(contract, params)
+        guard = make_guard(original, cc)
+        guard.__opcontracts_patched__ = True  # type: ignore[attr-defined]
+        if isinstance(original, torch._ops.OpOverloadPacket):
+            # code that reaches through the packet (torch_npu.npu_x.default) keeps working
+            for name in original.overloads():
+                setattr(guard, name, getattr(original, name))
+            guard.overloads = original.overloads  # type: ignore[attr-defined]
+            guard._qualified_op_name = original._qualified_op_name  # type: ignore[attr-defined]
+            guard.__module__ = getattr(original, "__module__", None) or "torch.ops"
+        return guard
+
+    def _make(self, owner: Any, attr: str, raw: Any, current: Any, contract: Contract
+              ) -> tuple[Callable[..., Any], str, Any, Any]:
+        if _is_autograd_function(current):
+            fn_cls = current
+            apply_raw = fn_cls.__dict__.get("apply", _MISSING)
+            bound_apply = fn_cls.apply
+            sig_src = fn_cls.forward
+            params = params_of(sig_src, contract)
+            if params and params[0].name in ("ctx", "_ctx"):
+                params = params[1:]
+            cc = compiled_for(contract, params)
+            guard = make_guard(bound_apply, cc)
+            guard.__opcontracts_patched__ = True  # type: ignore[attr-defined]
+            self.records.append(PatchRecord(f"{_owner_name(fn_cls)}.apply", contract.op,
+                                            "autograd.Function", fn_cls, "apply", apply_raw,
+                                            _owner_name(fn_cls)))
+            self.guard_ids.add(id(guard))
+            fn_cls.apply = staticmethod(guard)
+            # the class itself stays bound where it was: nothing to set on the owner
+            return guard, "autograd.Function(apply)", current, current
+        if isinstance(owner, type):
+            if isinstance(raw, staticmethod):
+                guard = self._guard_for(raw.__func__, contract)
+                return guard, "staticmethod", staticmethod(guard), raw.__func__
+            if isinstance(raw, classmethod):
+                func = raw.__func__
+                guard = self._guard_for(func, contract)
+                return guard, "classmethod", classmethod(guard), func
+            if raw is _MISSING:
+                raise TypeError(f"{attr} is inherited, not defined on {owner.__qualname__}")
+            guard = self._guard_for(raw, contract)
+            return guard, "method", guard, raw
+        if isinstance(current, torch._ops.OpOverloadPacket):
+            return self._guard_for(current, contract), "packet", self._guard_for(current, contract), current
+        if not callable(current):
+            raise TypeError(f"{attr} is a {type(current).__name__}, not callable")
+        guard = self._guard_for(current, contract)
+        return guard, "function", guard, current
+
+    def _rebind_aliases(self, originals: dict[int, tuple[Any, Callable[..., Any]]]) -> None:
+        """Rebind names bound by ``from x import f`` before the patch, in every loaded module
+        (what MindSpeed's patch manager does and msprobe does not)."""
+        for modname, mod in list(sys.modules.items()):
+            if mod is None or modname.startswith("opcontracts"):
+                continue
+            try:
+                d = mod.__dict__
+            except AttributeError:
+                continue
+            for name, value in list(d.items()):
+                hit = originals.get(id(value))
+                if hit is None or hit[0] is not value:
+                    continue
+                guard = hit[1]
+                d[name] = guard
+                self.records.append(PatchRecord(f"{modname}.{name}", guard.__opcontracts__.contract.op,  # type: ignore[attr-defined]
+                                                "alias", mod, name, value, modname))
+
+    def patched_list(self) -> list[PatchRecord]:
+        with self.lock:
+            return list(self.records)

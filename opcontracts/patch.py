@@ -1,0 +1,91 @@
+"""``import opcontracts.patch``: guard every target of every applicable contract.
+
+Importing this module (once, at the top of a training script) loads the shipped contracts and
+the user's files named in ``OPCONTRACTS_CONTRACTS`` (a ``os.pathsep``-separated list of files or
+folders), then wraps each target: ``torch_npu.npu_*``, ``torch.ops.npu.*``, MindSpeed's
+``mindspeed.ops.*`` functions, class attributes and ``autograd.Function.apply``.  Modules
+imported later are patched as they are imported; names bound earlier by ``from x import f``
+are rebound.  Nothing raises at import time: a target that cannot be found is logged (debug
+level) and listed by ``missing()``, so a training job never dies because an optional module
+moved.
+
+``apply()`` is idempotent; ``unpatch()`` restores every original (``is``-identical) and removes
+the import hook; ``patched()`` lists what is wrapped and where.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterable
+
+from . import _registry
+from ._patcher import Patcher, PatchRecord
+from .errors import OpContractsError
+from .spec import Contract, load_contracts
+
+__all__ = ["apply", "unpatch", "patched", "missing", "is_applied", "PatchRecord"]
+
+_patcher = Patcher()
+
+
+def _user_contracts() -> list[Contract]:
+    raw = os.environ.get("OPCONTRACTS_CONTRACTS", "")
+    out: list[Contract] = []
+    for part in filter(None, (p.strip() for p in raw.split(os.pathsep))):
+        try:
+            out.extend(load_contracts(part))
+        except OpContractsError as exc:
+            # a job must not die at import; the message names the file and field
+            warnings.warn(f"OPCONTRACTS_CONTRACTS: {exc}; skipped", RuntimeWarning, stacklevel=3)
+    return out
+
+
+def apply(contracts: Iterable[Contract] | None = None) -> list[PatchRecord]:
+    """Wrap every target of the applicable contracts (shipped + ``OPCONTRACTS_CONTRACTS`` +
+    ``contracts``).  Safe to call again: it wraps nothing twice and picks up targets that have
+    appeared since (ops registered later, modules imported later)."""
+    try:
+        _registry.load_shipped()
+    except OpContractsError as exc:  # pragma: no cover - a broken install
+        warnings.warn(f"opcontracts: shipped contracts: {exc}", RuntimeWarning, stacklevel=2)
+    extra = list(contracts or ()) + _user_contracts()
+    if extra:
+        _registry.register(extra, replace=True)
+    chosen: list[Contract] = []
+    for op in sorted({c.op for c in _registry.all_contracts()}):
+        c = _registry.resolve(op)
+        if c is not None and c.targets:
+            chosen.append(c)
+    _patcher.apply(chosen)
+    return patched()
+
+
+def unpatch() -> None:
+    """Restore every original object and remove the import hook."""
+    _patcher.unpatch()
+
+
+def patched() -> list[PatchRecord]:
+    """What is wrapped: one record per target (and per rebound alias)."""
+    return _patcher.patched_list()
+
+
+def missing() -> dict[str, str]:
+    """Targets that could not be found, with the reason (modules not imported yet are not
+    listed: they are patched when imported)."""
+    with _patcher.lock:
+        return dict(_patcher.missing)
+
+
+def pending() -> list[str]:
+    """Targets waiting for their module to be imported."""
+    with _patcher.lock:
+        return sorted(_patcher.pending)
+
+
+def is_applied() -> bool:
+    return _patcher.active
+
+
+apply()

@@ -1,0 +1,269 @@
+"""``import opcontracts.patch`` on modules, aliases, later imports, classes and op packets."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import linecache
+import pickle
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import opcontracts
+import opcontracts.patch as patch
+from opcontracts import Arg, Contract, ContractViolation, _registry
+
+PKG = "octest_pkg"
+
+
+def _contract(op: str, *targets: str, **args: Arg) -> Contract:
+    return Contract(op, args or {"x": Arg("bf16", "N H")}, targets=list(targets),
+                    source="test")
+
+
+@pytest.fixture
+def pkg(tmp_path: Path) -> Iterator[Path]:
+    """A small package on disk, not imported yet."""
+    root = tmp_path / PKG
+    root.mkdir()
+    (root / "__init__.py").write_text("")
+    (root / "ops.py").write_text(textwrap.dedent('''
+        import torch
+
+        def scale(x, factor=2.0):
+            """Scale x."""
+            return x * factor
+
+        class Layer:
+            def forward(self, x):
+                return x + 1
+
+            @staticmethod
+            def kernel(x):
+                return x - 1
+
+            @classmethod
+            def build(cls, x):
+                return x * 3
+
+        class Square(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                ctx.save_for_backward(x)
+                return x * x
+
+            @staticmethod
+            def backward(ctx, g):
+                (x,) = ctx.saved_tensors
+                return 2 * x * g
+    '''))
+    (root / "user.py").write_text("from octest_pkg.ops import scale\n\ndef run(x):\n    return scale(x)\n")
+    sys.path.insert(0, str(tmp_path))
+    yield root
+    sys.path.remove(str(tmp_path))
+    for name in [m for m in sys.modules if m == PKG or m.startswith(PKG + ".")]:
+        del sys.modules[name]
+
+
+@pytest.fixture
+def clean_patch() -> Iterator[None]:
+    patch.unpatch()
+    ops_before = {c.op for c in _registry.all_contracts()}
+    yield
+    patch.unpatch()
+    for c in _registry.all_contracts():
+        if c.op not in ops_before:
+            _registry.unregister(c.op)
+
+
+BAD = torch.ones(2, 3)  # fp32 where bf16 is required
+GOOD = torch.ones(2, 3, dtype=torch.bfloat16)
+
+
+def test_module_attribute_patched_and_unpatched_identically(pkg, clean_patch):
+    from octest_pkg import ops
+
+    original = ops.scale
+    patch.apply([_contract("t.scale", f"{PKG}.ops.scale")])
+    assert ops.scale is not original and ops.scale.__wrapped__ is original
+    assert ops.scale.__name__ == "scale" and ops.scale.__doc__ == "Scale x."
+    assert inspect.signature(ops.scale) == inspect.signature(original)
+    with opcontracts.mode("strict"):
+        ops.scale(GOOD)
+        with pytest.raises(ContractViolation, match="t.scale"):
+            ops.scale(BAD)
+    [rec] = [r for r in patch.patched() if r.target == f"{PKG}.ops.scale"]
+    assert rec.kind == "function" and rec.where == f"{PKG}.ops"
+    patch.unpatch()
+    assert ops.scale is original
+
+
+def test_alias_bound_before_the_patch_is_rebound(pkg, clean_patch):
+    from octest_pkg import ops, user
+
+    assert user.scale is ops.scale
+    patch.apply([_contract("t.scale", f"{PKG}.ops.scale")])
+    assert user.scale is ops.scale  # the alias now points at the guard too
+    with opcontracts.mode("strict"), pytest.raises(ContractViolation):
+        user.run(BAD)
+    assert any(r.kind == "alias" and r.target == f"{PKG}.user.scale" for r in patch.patched())
+    original = ops.scale.__wrapped__
+    patch.unpatch()
+    assert user.scale is original and ops.scale is original
+
+
+def test_module_imported_after_the_patch(pkg, clean_patch):
+    assert PKG not in sys.modules
+    patch.apply([_contract("t.scale", f"{PKG}.ops.scale")])
+    assert f"{PKG}.ops.scale" in patch.pending()
+    assert any(type(f).__name__ == "_ImportHook" for f in sys.meta_path)
+    user = importlib.import_module(f"{PKG}.user")  # imports ops, then binds the name
+    with opcontracts.mode("strict"), pytest.raises(ContractViolation):
+        user.run(BAD)
+    assert f"{PKG}.ops.scale" not in patch.pending()
+    ops = sys.modules[f"{PKG}.ops"]
+    assert ops.__spec__.loader.__class__.__name__ != "_PatchingLoader"
+
+
+def test_hook_removed_when_nothing_is_pending(pkg, clean_patch):
+    from octest_pkg import ops  # noqa: F401
+
+    patch._patcher.apply([_contract("t.scale", f"{PKG}.ops.scale")])
+    assert patch.pending() == []
+    assert not any(type(f).__name__ == "_ImportHook" for f in sys.meta_path)
+
+
+def test_unrelated_imports_are_not_intercepted(pkg, clean_patch):
+    patch.apply([_contract("t.scale", f"{PKG}.ops.scale")])
+    hook = next(f for f in sys.meta_path if type(f).__name__ == "_ImportHook")
+    assert hook.find_spec("json.decoder") is None
+    assert "json" not in patch._patcher.watched
+
+
+def test_class_attributes_and_autograd_function(pkg, clean_patch):
+    from octest_pkg import ops
+
+    raw = dict(ops.Layer.__dict__)
+    apply_before = ops.Square.apply
+    patch.apply([
+        _contract("t.forward", f"{PKG}.ops.Layer.forward"),
+        _contract("t.kernel", f"{PKG}.ops.Layer.kernel"),
+        _contract("t.build", f"{PKG}.ops.Layer.build"),
+        _contract("t.square", f"{PKG}.ops.Square"),
+    ])
+    kinds = {r.target: r.kind for r in patch.patched()}
+    assert kinds[f"{PKG}.ops.Layer.kernel"] == "staticmethod"
+    assert kinds[f"{PKG}.ops.Layer.build"] == "classmethod"
+    assert kinds[f"{PKG}.ops.Layer.forward"] == "method"
+    layer = ops.Layer()
+    with opcontracts.mode("strict"):
+        assert layer.forward(GOOD).dtype is torch.bfloat16
+        assert ops.Layer.kernel(GOOD).dtype is torch.bfloat16
+        assert ops.Layer.build(GOOD).dtype is torch.bfloat16
+        for call in (layer.forward, ops.Layer.kernel, ops.Layer.build, ops.Square.apply):
+            with pytest.raises(ContractViolation):
+                call(BAD)
+        x = torch.ones(2, 3, dtype=torch.bfloat16, requires_grad=True)
+        ops.Square.apply(x).sum().backward()
+        assert x.grad is not None
+    patch.unpatch()
+    for k in ("forward", "kernel", "build"):
+        assert ops.Layer.__dict__[k] is raw[k]
+    assert "apply" not in ops.Square.__dict__ and ops.Square.apply == apply_before
+
+
+def test_torch_ops_packet_keeps_overloads(clean_patch):
+    lib = torch.library.Library("octest", "DEF")
+    try:
+        lib.define("myop(Tensor x, float factor=2.0) -> Tensor")
+        lib.impl("myop", lambda x, factor=2.0: x * factor, "CompositeExplicitAutograd")
+        packet = torch.ops.octest.myop
+        patch.apply([_contract("t.myop", "torch.ops.octest.myop")])
+        guarded = torch.ops.octest.myop
+        assert guarded is not packet and guarded.default is packet.default
+        assert list(inspect.signature(guarded).parameters) == ["x", "factor"]
+        with opcontracts.mode("strict"):
+            guarded(GOOD)
+            with pytest.raises(ContractViolation):
+                guarded(BAD)
+            guarded.default(BAD)  # a captured overload bypasses Python names
+        patch.unpatch()
+        assert torch.ops.octest.myop is packet
+    finally:
+        lib._destroy()
+
+
+def test_apply_is_idempotent_and_cycles_leave_nothing(pkg, clean_patch):
+    from octest_pkg import ops, user
+
+    original = ops.scale
+    c = _contract("t.scale", f"{PKG}.ops.scale")
+    patch.apply([c])
+    n = len(patch.patched())
+    guard = ops.scale
+    patch.apply([c])
+    import opcontracts.patch as again  # noqa: F401 - importing twice is a no-op too
+
+    assert len(patch.patched()) == n and ops.scale is guard
+    patch.unpatch()
+    meta = list(sys.meta_path)
+    cache = len(linecache.cache)
+    for _ in range(1000):
+        patch.apply([c])
+        patch.unpatch()
+    assert ops.scale is original and user.scale is original
+    assert sys.meta_path == meta
+    assert len(linecache.cache) == cache
+    assert patch.patched() == []
+
+
+def test_missing_target_is_reported_not_raised(pkg, clean_patch):
+    from octest_pkg import ops  # noqa: F401
+
+    patch.apply([_contract("t.gone", f"{PKG}.ops.no_such_function"),
+                 _contract("t.gone2", f"{PKG}.ops.NoClass.method")])
+    miss = patch.missing()
+    assert f"{PKG}.ops.NoClass.method" in miss
+    # a module attribute may still appear (a module can define it later): it stays pending
+    assert f"{PKG}.ops.no_such_function" in patch.pending()
+
+
+def test_guarded_function_pickles_by_reference(pkg, clean_patch):
+    from octest_pkg import ops
+
+    patch.apply([_contract("t.scale", f"{PKG}.ops.scale")])
+    assert pickle.loads(pickle.dumps(ops.scale)) is ops.scale
+
+
+def test_bad_user_contract_file_warns_and_job_continues(tmp_path, monkeypatch, clean_patch):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[contract]]\nop = "x"\n[contract.args.a]\ndtype = "bf17"\n')
+    monkeypatch.setenv("OPCONTRACTS_CONTRACTS", str(bad))
+    with pytest.warns(RuntimeWarning, match=r"bad\.toml, contract x, field args\.a\.dtype"):
+        patch.apply()
+
+
+def test_dispatch_mode_catches_a_captured_overload(clean_patch):
+    from opcontracts.dispatch import ContractDispatchMode
+
+    lib = torch.library.Library("octest2", "DEF")
+    try:
+        lib.define("myop(Tensor x) -> Tensor")
+        lib.impl("myop", lambda x: x * 2, "CompositeExplicitAutograd")
+        captured = torch.ops.octest2.myop.default
+        c = _contract("t.myop2", "torch.ops.octest2.myop")
+        with opcontracts.mode("strict"), ContractDispatchMode([c]):
+            captured(GOOD)
+            torch.add(BAD, BAD)  # unrelated ops pass through
+            with pytest.raises(ContractViolation) as ei:
+                captured(BAD)
+        assert ei.value.call_site is not None and ei.value.call_site.startswith(__file__)
+        with opcontracts.mode("warn"), ContractDispatchMode([c]), pytest.warns(opcontracts.ContractWarning):
+            assert captured(BAD).dtype is torch.float32
+    finally:
+        lib._destroy()
