@@ -89,9 +89,12 @@ class CompiledContract:
     fast: Callable[..., bool] | None = None
     """the optimistic checker: True when the call conforms, False when ``check`` must explain"""
     fast_source: str = ""
+    key: int = -1
+    """index in ``BY_KEY``: how code traced by torch.compile names this contract as a constant"""
 
 
 _counter = itertools.count()
+BY_KEY: dict[int, CompiledContract] = {}
 
 
 def _expected_dtypes(names: Sequence[str]) -> str:
@@ -517,6 +520,8 @@ def compile_contract(contract: Contract, params: Sequence[Param] | None = None) 
     quick = _Gen(contract, params, fast=True).build()
     careful.fast = quick.check  # type: ignore[assignment]  # returns bool in fast mode
     careful.fast_source = quick.source_code
+    careful.key = next(_counter)
+    BY_KEY[careful.key] = careful
     return careful
 
 

@@ -84,6 +84,28 @@ _lock = threading.Lock()
 _ctx: ContextVar[_State | None] = ContextVar("opcontracts_mode", default=None)
 
 
+class _CompileView:
+    """The mode as ``torch.compile`` sees it.
+
+    Dynamo cannot trace ``ContextVar.get`` (a graph break), so compiled code reads this plain
+    object instead; dynamo guards on what it reads, so changing the mode recompiles.  It is the
+    mode of the thread that last changed it: compiled code does not see per-thread contexts.
+    """
+
+    def __init__(self) -> None:
+        self.default: Mode = _global_state.default
+        self.by_op: dict[str, Mode] = dict(_global_state.by_op)
+
+
+COMPILE_VIEW = _CompileView()
+
+
+def _sync() -> None:
+    s = current_state()
+    COMPILE_VIEW.default = s.default
+    COMPILE_VIEW.by_op = dict(s.by_op)
+
+
 def current_state() -> _State:
     s = _ctx.get()
     return _global_state if s is None else s
@@ -112,10 +134,12 @@ def set_mode(mode: str | Mode, *, op: str | None = None) -> str:
     if s is not None:
         prev = s.default if op is None else s.for_op(op)
         _ctx.set(s.with_mode(m, op))
+        _sync()
         return prev.value
     with _lock:
         prev = _global_state.default if op is None else _global_state.for_op(op)
         _global_state = _global_state.with_mode(m, op)
+    _sync()
     return prev.value
 
 
@@ -127,6 +151,7 @@ def clear_overrides() -> None:
         _ctx.set(_State(s.default))
     with _lock:
         _global_state = _State(_global_state.default)
+    _sync()
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -157,10 +182,12 @@ class mode(ContextDecorator):  # noqa: N801 - reads like numpy.errstate
         cur = current_state()
         new = _State(self.mode) if self.op is None else cur.with_mode(self.mode, self.op)
         self._stack().append(_ctx.set(new))
+        _sync()
         return self
 
     def __exit__(self, *exc: object) -> None:
         _ctx.reset(self._stack().pop())
+        _sync()
 
     def _recreate_cm(self) -> mode:
         # a fresh instance per decorated call: concurrent calls never share a token stack

@@ -1,4 +1,4 @@
-"""Violation records: counted per (op, argument, rule, call site), bounded, as a table or JSON.
+"""Violation records: counted per (op, argument, rule, call site, mode), bounded, as a table or JSON.
 
 At most ``MAX_RECORDS`` distinct records are kept; further distinct ones only bump a counter,
 so a job that violates a contract on every step from a million call sites stays small.
@@ -30,20 +30,20 @@ class Record:
     ranks: list[int] = field(default_factory=list)
 
     @property
-    def key(self) -> tuple[str, str | None, str, str]:
-        return (self.op, self.arg, self.rule, self.call_site)
+    def key(self) -> tuple[str, str | None, str, str, str]:
+        return (self.op, self.arg, self.rule, self.call_site, self.mode)
 
 
 class _Store:
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.records: dict[tuple[str, str | None, str, str], Record] = {}
+        self.records: dict[tuple[str, str | None, str, str, str], Record] = {}
         self.dropped = 0
         self.total = 0
 
     def add(self, op: str, arg: str | None, rule: str, call_site: str, mode: str,
             message: str, fixed: bool, rank: int | None) -> tuple[Record | None, bool]:
-        key = (op, arg, rule, call_site)
+        key = (op, arg, rule, call_site, mode)
         with self.lock:
             self.total += 1
             rec = self.records.get(key)
@@ -123,7 +123,7 @@ class Report:
 
 
 def merge_reports(reports: Iterable[Report]) -> Report:
-    merged: dict[tuple[str, str | None, str, str], Record] = {}
+    merged: dict[tuple[str, str | None, str, str, str], Record] = {}
     dropped = total = 0
     for rep in reports:
         dropped += rep.dropped

@@ -1,0 +1,164 @@
+"""What a guard does while ``torch.compile`` traces it.
+
+Dynamo traces the guard like any Python function, so the guard switches to this path when
+``torch.compiler.is_compiling()``:
+
+* the mode comes from ``_modes.COMPILE_VIEW`` (``ContextVar.get`` is a graph break);
+* the optimistic checker is traced: dtype and static-shape comparisons fold to constants under
+  dynamo's own guards, so a conforming call adds nothing to the compiled code;
+* on a violation, ``_decide`` runs *at trace time* as plain Python (``assume_constant_result``):
+  it rebuilds the arguments as meta tensors, runs the careful checker, records the violation,
+  warns (``warn``: emitted from eager Python, once per compilation and call site, never from
+  inside the graph where ``warnings.warn`` would break it) and returns a constant plan;
+* ``strict``: the plan calls a ``torch.compiler.disable``-d function that raises the very same
+  ``ContractViolation`` eagerly (a graph break, only on a violating call); under
+  ``fullgraph=True`` the violation is raised at trace time as dynamo's ``UserError`` with the
+  ``ContractViolation`` as its ``__cause__``;
+* ``fix``: the plan lists the casts; ``.to(dtype)`` is traced into the graph.
+
+Value checks need data and are not run under compile.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import _modes
+from ._callsite import find_call_site
+from ._compile import BY_KEY, CompiledContract
+from ._enforce import _fix_target, _partner_from, _record_and_message, _warn, violation_from_raw
+from .errors import ContractFixWarning, ContractViolation, ContractWarning
+
+__all__ = ["call"]
+
+_counter = itertools.count()
+_pending: dict[int, ContractViolation] = {}
+_lazy: dict[str, Callable[..., Any]] = {}
+
+
+def _meta(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return ("T", v.dtype, tuple(v.shape))
+    if isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in v):
+        return ("L", tuple(_meta(x) for x in v), isinstance(v, tuple))
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return ("C", v)
+    return ("?", type(v).__name__)
+
+
+def _rebuild(m: Any) -> Any:
+    kind = m[0]
+    if kind == "T":
+        return torch.empty(m[2], dtype=m[1], device="meta")
+    if kind == "L":
+        items = [_rebuild(x) for x in m[1]]
+        return tuple(items) if m[2] else items
+    if kind == "C":
+        return m[1]
+    return object()
+
+
+def _fullgraph() -> bool:
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        return bool(getattr(tx, "one_graph", False) or getattr(tx, "error_on_graph_break", False))
+    except Exception:  # pragma: no cover - internals moved: behave as without fullgraph
+        return False
+
+
+def _decide(key: int, mode: str, arg_metas: tuple[Any, ...], kw_metas: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Runs as plain Python at trace time; returns a constant plan for the traced code."""
+    cc = BY_KEY[key]
+    args = [_rebuild(m) for m in arg_metas]
+    kwargs = {k: _rebuild(m) for k, m in kw_metas}
+    raw = cc.check(*args, **kwargs)
+    if raw is None:
+        return ("call",)
+    site = find_call_site(sys._getframe(1))
+    m = _modes.parse_mode(mode)
+    names = [p.name for p in cc.params]
+    plan: list[tuple[Any, ...]] = []
+    for _ in range(16):
+        if raw is None:
+            break
+        partner = _partner_from(raw, names, args, kwargs)
+        exc = violation_from_raw(raw, site, partner)
+        target = _fix_target(raw, partner) if m is _modes.FIX and raw.rule.kind in ("dtype", "same_dtype") else None
+        if m is _modes.WARN:
+            msg, _ = _record_and_message(exc, site, m, False)
+            _warn(exc, site, msg, ContractWarning)
+            return ("call",)
+        if target is None and not (m is _modes.FIX and raw.rule.kind == "contiguous"):
+            _record_and_message(exc, site, m, False)
+            if _fullgraph():
+                from torch._dynamo.exc import UserError, UserErrorType
+
+                raise UserError(UserErrorType.INVALID_INPUT, str(exc)) from exc
+            token = next(_counter)
+            _pending[token] = exc
+            return ("raise", token)
+        msg, _ = _record_and_message(exc, site, m, True)
+        _warn(exc, site, f"{exc.op}: fixed argument '{exc.arg}' under torch.compile\n{msg}",
+              ContractFixWarning)
+        name = raw.rule.arg
+        where: Any = names.index(name) if name in names and names.index(name) < len(args) else name
+        step = (where, raw.index, target)  # target None means .contiguous()
+        plan.append(step)
+        _apply_step(args, kwargs, step, meta=True)
+        raw = cc.check(*args, **kwargs)
+    return ("fix", tuple(plan))
+
+
+def _apply_step(args: list[Any], kwargs: dict[str, Any], step: tuple[Any, ...], meta: bool = False) -> None:
+    where, index, target = step
+    container: Any = args if isinstance(where, int) else kwargs
+    v = container[where]
+    if index is None:
+        container[where] = v.contiguous() if target is None else v.to(target)
+    else:
+        items = list(v)
+        items[index] = items[index].contiguous() if target is None else items[index].to(target)
+        container[where] = type(v)(items) if isinstance(v, tuple) else items
+
+
+def _raise(token: int) -> None:
+    raise _pending[token]
+
+
+def _lazy_fns() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    if not _lazy:
+        import torch._dynamo
+
+        _lazy["decide"] = torch._dynamo.assume_constant_result(_decide)
+        _lazy["raise"] = torch.compiler.disable(_raise)
+    return _lazy["decide"], _lazy["raise"]
+
+
+def call(cc: CompiledContract, fn: Callable[..., Any], args: tuple[Any, ...],
+         kwargs: dict[str, Any]) -> Any:
+    view = _modes.COMPILE_VIEW
+    op = cc.contract.op
+    m = view.by_op.get(op, view.default) if view.by_op else view.default
+    if m is _modes.OFF:
+        return fn(*args, **kwargs)
+    fast = cc.fast
+    if fast is not None and fast(*args, **kwargs) is True:
+        return fn(*args, **kwargs)
+    decide, raise_ = _lazy_fns()
+    plan = decide(cc.key, m.value, tuple(_meta(a) for a in args),
+                  tuple((k, _meta(v)) for k, v in kwargs.items()))
+    if plan[0] == "raise":
+        raise_(plan[1])
+    elif plan[0] == "fix":
+        new_args, new_kwargs = list(args), dict(kwargs)
+        for step in plan[1]:
+            _apply_step(new_args, new_kwargs, step)
+        return fn(*new_args, **new_kwargs)
+    return fn(*args, **kwargs)
