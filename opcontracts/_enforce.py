@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 import sys
 import threading
 import warnings
@@ -29,7 +28,7 @@ from . import _modes
 from ._callsite import CallSite, find_call_site
 from ._compile import MISSING, CompiledContract, Param, RawViolation, compile_contract
 from ._dtypes import dtype_name, int_range, parse_dtype
-from ._report import record
+from ._report import current_rank, record
 from .errors import ContractFixWarning, ContractViolation, ContractWarning
 
 __all__ = ["make_guard", "params_of", "violation_from_raw", "check_call", "compiled_for"]
@@ -83,17 +82,7 @@ def _inspect_signature(params: Sequence[Param]) -> inspect.Signature:
 
 # --------------------------------------------------------------------------- messages
 def _rank() -> int | None:
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            return dist.get_rank()
-    except Exception:  # pragma: no cover - a broken backend must not hide the violation
-        pass
-    ws = os.environ.get("WORLD_SIZE")
-    if ws and ws.isdigit() and int(ws) > 1 and os.environ.get("RANK", "").isdigit():
-        return int(os.environ["RANK"])
-    return None
+    return current_rank()
 
 
 def _fmt_shape(v: torch.Tensor) -> str:

@@ -118,7 +118,8 @@ class Report:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Report:
-        recs = [Record(**r) for r in data.get("records", [])]
+        fields = set(Record.__dataclass_fields__)
+        recs = [Record(**{k: v for k, v in r.items() if k in fields}) for r in data.get("records", [])]
         return cls(recs, int(data.get("dropped", 0)), int(data.get("total", 0)))
 
 
@@ -152,3 +153,61 @@ def reset_report() -> None:
         _store.records.clear()
         _store.dropped = 0
         _store.total = 0
+
+
+def current_rank() -> int | None:
+    """This process's rank under torchrun / torch.distributed, or None when not distributed."""
+    import os
+
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return int(dist.get_rank())
+    except Exception:  # pragma: no cover - a broken backend must not hide the report
+        pass
+    ws, rank = os.environ.get("WORLD_SIZE", ""), os.environ.get("RANK", "")
+    if ws.isdigit() and int(ws) > 1 and rank.isdigit():
+        return int(rank)
+    return None
+
+
+def report_path_for_rank(path: str, rank: int | None = None) -> str:
+    """``report.json`` -> ``report.rank3.json`` on rank 3 of a distributed job; unchanged
+    otherwise."""
+    import os
+
+    rank = current_rank() if rank is None else rank
+    if rank is None:
+        return path
+    root, ext = os.path.splitext(path)
+    return f"{root}.rank{rank}{ext or '.json'}"
+
+
+def write_report(path: str, rep: Report | None = None) -> str:
+    """Write the report as JSON (one file per rank when distributed); returns the path."""
+    import os
+
+    rep = report() if rep is None else rep
+    rank = current_rank()
+    data = rep.to_dict()
+    data["rank"] = rank
+    out = report_path_for_rank(path, rank)
+    d = os.path.dirname(out)
+    if d:
+        os.makedirs(d, exist_ok=True)
+    with open(out, "w", encoding="utf-8") as f:
+        f.write(json.dumps(data, indent=2))
+    return out
+
+
+def load_report(path: str) -> Report:
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    rep = Report.from_dict(data)
+    rank = data.get("rank")
+    if rank is not None:
+        for r in rep.records:
+            if not r.ranks:
+                r.ranks = [int(rank)]
+    return rep
