@@ -25,10 +25,11 @@ from typing import Any, TypeVar
 import torch
 
 from . import _modes
+from . import _report as _report_mod
 from ._callsite import CallSite, find_call_site
 from ._compile import MISSING, CompiledContract, Param, RawViolation, compile_contract
 from ._dtypes import dtype_name, int_range, parse_dtype
-from ._report import current_rank, record
+from ._report import bump, current_rank, record
 from .errors import ContractFixWarning, ContractViolation, ContractWarning
 
 __all__ = ["make_guard", "params_of", "violation_from_raw", "check_call", "compiled_for"]
@@ -212,9 +213,61 @@ def _warn(exc: ContractViolation, site: CallSite | None, message: str,
 def reset_warnings() -> None:
     with _reg_lock:
         _registries.clear()
+    _site_cache.clear()
 
 
 # --------------------------------------------------------------------------- slow path
+class _Bound:
+    """Positional and keyword arguments addressed by parameter name, without
+    ``inspect.Signature.bind``; copies the containers, never the tensors."""
+
+    __slots__ = ("args", "kwargs", "pos")
+
+    def __init__(self, cc: CompiledContract, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.args = list(args)
+        self.kwargs = dict(kwargs)
+        self.pos = _positions(cc)
+
+    def get(self, name: str | None) -> Any:
+        if name is None:
+            return None
+        if name in self.kwargs:
+            return self.kwargs[name]
+        i = self.pos.get(name, -1)
+        return self.args[i] if 0 <= i < len(self.args) else None
+
+    def set(self, name: str, index: int | None, new: Any) -> None:
+        if index is not None:
+            old = self.get(name)
+            items = list(old)
+            items[index] = new
+            new = tuple(items) if isinstance(old, tuple) else items
+        i = self.pos.get(name, -1)
+        if name not in self.kwargs and 0 <= i < len(self.args):
+            self.args[i] = new
+        else:
+            self.kwargs[name] = new
+
+    def element(self, name: str, index: int | None) -> Any:
+        v = self.get(name)
+        return v if index is None else v[index]
+
+
+_pos_cache: dict[int, dict[str, int]] = {}
+
+
+def _positions(cc: CompiledContract) -> dict[str, int]:
+    pos = _pos_cache.get(id(cc))
+    if pos is None:
+        pos = {}
+        for i, p in enumerate(cc.params):
+            if p.kind not in ("POSITIONAL_ONLY", "POSITIONAL_OR_KEYWORD"):
+                break
+            pos[p.name] = i
+        _pos_cache[id(cc)] = pos
+    return pos
+
+
 def _partner_from(raw: RawViolation, names: Sequence[str], args: Sequence[Any],
                   kwargs: dict[str, Any]) -> Any:
     p = raw.rule.partner
@@ -226,20 +279,6 @@ def _partner_from(raw: RawViolation, names: Sequence[str], args: Sequence[Any],
     return args[i] if 0 <= i < len(args) else None
 
 
-def _partner(raw: RawViolation, ba: inspect.BoundArguments | None) -> Any:
-    if raw.rule.partner is None or ba is None:
-        return None
-    return ba.arguments.get(raw.rule.partner)
-
-
-def _bind(cc: CompiledContract, args: tuple[Any, ...], kwargs: dict[str, Any]
-          ) -> inspect.BoundArguments | None:
-    try:
-        return _inspect_signature(cc.params).bind_partial(*args, **kwargs)
-    except TypeError:
-        return None
-
-
 def _record_and_message(exc: ContractViolation, site: CallSite | None, m: _modes.Mode,
                         fixed: bool) -> tuple[str, bool]:
     rec, new = record(exc.op, exc.arg, exc.rule, str(site) if site else "?", m.value, str(exc),
@@ -247,48 +286,149 @@ def _record_and_message(exc: ContractViolation, site: CallSite | None, m: _modes
     return (rec.message if rec is not None else str(exc)), new
 
 
-def _violated(m: _modes.Mode, raw: RawViolation, cc: CompiledContract, fn: Callable[..., Any],
-              args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+class _SiteEntry:
+    """What a repeated violation at one call site needs: no frame walk, no message, no bind."""
+
+    __slots__ = ("site", "message", "category", "keys", "steps", "registry")
+
+    def __init__(self, site: CallSite | None, message: str, category: type[Warning],
+                 keys: list[tuple[str, str | None, str, str, str]],
+                 steps: list[tuple[str, int | None, str, Any]] | None) -> None:
+        self.site = site
+        self.message = message
+        self.category = category
+        self.keys = keys
+        self.steps = steps
+        self.registry: dict[Any, Any] | None = None
+
+
+_site_cache: dict[tuple[Any, ...], _SiteEntry] = {}
+_report_mod._reset_callbacks.append(_site_cache.clear)  # cached entries point at records
+
+
+def _cache(key: tuple[Any, ...], entry: _SiteEntry) -> None:
+    if len(_site_cache) > 4096:  # bounded, whatever the number of call sites
+        _site_cache.clear()
+    _site_cache[key] = entry
+
+
+def _emit(entry: _SiteEntry) -> None:
+    """Warn again at a cached site: the warnings machinery dedups (``default`` action) or
+    raises (``error``), with the registry kept on the entry so nothing is rebuilt."""
+    site = entry.site
+    if entry.registry is None:
+        k = entry.keys[0]
+        key = (k[0], k[1], k[2], str(site), entry.category)
+        with _reg_lock:
+            reg = _registries.get(key)
+            if reg is None:
+                if len(_registries) > 4096:
+                    _registries.clear()
+                reg = _registries[key] = {}
+        entry.registry = reg
+    if site is None:
+        warnings.warn(entry.message, entry.category, stacklevel=4)
+    else:
+        warnings.warn_explicit(entry.message, entry.category, site.filename, site.lineno,
+                               module=site.module, registry=entry.registry)
+
+
+def _violated(m: _modes.Mode, cc: CompiledContract, fn: Callable[..., Any],
+              args: tuple[Any, ...], kwargs: dict[str, Any], depth: int = 2) -> Any:
+    """The optimistic check failed: find out why (careful check), then act per mode.
+
+    Repeats at one call site are cached: ``fix`` replays the same casts and re-runs the fast
+    check (no careful check, no frame walk, no binding); ``warn`` skips the message building.
+    """
     __tracebackhide__ = True  # pytest: show the user's frame, not ours
-    site = find_call_site(sys._getframe(2))
-    ba = _bind(cc, args, kwargs)
-    if m is _modes.FIX and ba is not None:
-        return _fix_and_call(raw, cc, fn, ba, site)
-    exc = violation_from_raw(raw, site, _partner(raw, ba))
+    caller = sys._getframe(depth)
+    if m is _modes.FIX:
+        entry = _site_cache.get((cc.key, caller.f_code, caller.f_lineno, m))
+        if entry is not None and entry.steps is not None:
+            b = _Bound(cc, args, kwargs)
+            if _replay(entry.steps, b) and cc.fast is not None and cc.fast(*b.args, **b.kwargs) is True:
+                bump(entry.keys, fixed=True)
+                _emit(entry)
+                return fn(*b.args, **b.kwargs)
+    try:
+        raw = cc.check(*args, **kwargs)
+    except TypeError:  # the arguments do not even bind: let the original say so
+        return fn(*args, **kwargs)
+    if raw is None:  # e.g. the fast check is stricter about an exotic argument type
+        return fn(*args, **kwargs)
+    ckey = (cc.key, id(raw.rule), caller.f_code, caller.f_lineno, m)
+    entry = _site_cache.get(ckey)
+    if entry is not None and m is _modes.WARN:
+        bump(entry.keys, fixed=False)
+        _emit(entry)
+        return fn(*args, **kwargs)
+    site = find_call_site(caller)
+    b = _Bound(cc, args, kwargs)
+    if m is _modes.FIX:
+        return _fix_and_call(raw, cc, fn, b, site, (cc.key, caller.f_code, caller.f_lineno, m))
+    exc = violation_from_raw(raw, site, b.get(raw.rule.partner))
     msg, _ = _record_and_message(exc, site, m, False)
     if m is _modes.WARN:
-        _warn(exc, site, msg, ContractWarning)
+        entry = _SiteEntry(site, msg, ContractWarning,
+                           [(exc.op, exc.arg, exc.rule, str(site) if site else "?", m.value)], None)
+        _cache(ckey, entry)
+        _emit(entry)
         return fn(*args, **kwargs)
     raise exc
 
 
-def _replace(ba: inspect.BoundArguments, raw: RawViolation, new: Any) -> None:
-    name = raw.rule.arg
-    assert name is not None
-    if raw.index is None:
-        ba.arguments[name] = new
-    else:
-        old = ba.arguments[name]
-        lst = list(old)
-        lst[raw.index] = new
-        ba.arguments[name] = type(old)(lst) if isinstance(old, tuple) else lst
+def _replay(steps: list[tuple[str, int | None, str, Any]], b: _Bound) -> bool:
+    """Apply cached repairs; False if one no longer applies (then the slow path decides)."""
+    for name, index, kind, what in steps:
+        v = b.element(name, index)
+        if not isinstance(v, torch.Tensor):
+            return False
+        if kind == "contiguous":
+            new = v.contiguous()
+        elif kind == "cast":
+            if not v.is_floating_point():
+                return False
+            new = v.to(what)
+        else:  # same dtype as a partner argument
+            partner = b.get(what)
+            if not isinstance(partner, torch.Tensor) or not partner.is_floating_point() \
+                    or not v.is_floating_point():
+                return False
+            new = v.to(partner.dtype)
+        b.set(name, index, new)
+    return True
 
 
 def _fix_and_call(raw: RawViolation | None, cc: CompiledContract, fn: Callable[..., Any],
-                  ba: inspect.BoundArguments, site: CallSite | None) -> Any:
+                  b: _Bound, site: CallSite | None, ckey: tuple[Any, ...] | None = None) -> Any:
     __tracebackhide__ = True
+    steps: list[tuple[str, int | None, str, Any]] | None = []
+    keys: list[tuple[str, str | None, str, str, str]] = []
+    messages: list[str] = []
     for _ in range(_FIX_ROUNDS):
         if raw is None:
-            return fn(*ba.args, **ba.kwargs)
-        partner = _partner(raw, ba)
+            if ckey is not None and keys:
+                _cache(ckey, _SiteEntry(site, "\n".join(messages), ContractFixWarning, keys, steps))
+            return fn(*b.args, **b.kwargs)
+        name = raw.rule.arg
+        assert name is not None
+        partner = b.get(raw.rule.partner)
         v = raw.value
         new: Any = None
+        step: tuple[str, int | None, str, Any] | None = None
         if raw.rule.kind == "contiguous" and isinstance(v, torch.Tensor):
             new = v.contiguous()
+            step = (name, raw.index, "contiguous", None)
         else:
             target = _fix_target(raw, partner)
             if target is not None:
                 new = v.to(target)  # autograd-tracked; never in place
+                if not v.is_floating_point():
+                    steps = None  # integer narrowing depends on the values: never replayed
+                elif raw.rule.kind == "same_dtype":
+                    step = (name, raw.index, "partner", raw.rule.partner)
+                else:
+                    step = (name, raw.index, "cast", target)
         exc = violation_from_raw(raw, site, partner)
         if new is None:
             _record_and_message(exc, site, _modes.FIX, False)
@@ -297,10 +437,14 @@ def _fix_and_call(raw: RawViolation | None, cc: CompiledContract, fn: Callable[.
                 + (f"{dtype_name(new.dtype)}" if raw.rule.kind != "contiguous" else "contiguous")
                 + f" ({exc.fix})")
         msg, _ = _record_and_message(exc, site, _modes.FIX, True)
+        keys.append((exc.op, exc.arg, exc.rule, str(site) if site else "?", _modes.FIX.value))
+        messages.append(what + "\n" + msg)
         _warn(exc, site, what + "\n" + msg, ContractFixWarning)
-        _replace(ba, raw, new)
+        if steps is not None and step is not None:
+            steps.append(step)
+        b.set(name, raw.index, new)
         try:
-            raw = cc.check(*ba.args, **ba.kwargs)
+            raw = cc.check(*b.args, **b.kwargs)
         except TypeError:
             raw = None
     raise RuntimeError(f"opcontracts: could not repair the call of {cc.contract.op}")  # pragma: no cover
@@ -317,6 +461,7 @@ def make_guard(fn: Callable[..., Any], cc: CompiledContract, *, op: str | None =
     modes = _modes
     OFF = _modes.OFF
     compiling = torch.compiler.is_compiling  # folded to True by dynamo, ~50 ns in eager
+    violated = _violated
 
     def guarded(*args: Any, **kwargs: Any) -> Any:
         if compiling():
@@ -330,14 +475,12 @@ def make_guard(fn: Callable[..., Any], cc: CompiledContract, *, op: str | None =
         if m is OFF:
             return fn(*args, **kwargs)
         try:
-            if fast(*args, **kwargs) is True:  # optimistic straight-line check
-                return fn(*args, **kwargs)
-            raw = check(*args, **kwargs)  # careful check: which rule, and why
+            ok = fast(*args, **kwargs)  # the optimistic straight-line check
         except TypeError:  # the arguments do not even bind: let the original say so
             return fn(*args, **kwargs)
-        if raw is None:
+        if ok is True:
             return fn(*args, **kwargs)
-        return _violated(m, raw, cc, fn, args, kwargs)
+        return violated(m, cc, fn, args, kwargs)
 
     try:
         functools.update_wrapper(guarded, fn)
@@ -376,8 +519,7 @@ def check_call(cc: CompiledContract, args: tuple[Any, ...], kwargs: dict[str, An
     if raw is None:
         return
     site = find_call_site(sys._getframe(1))
-    ba = _bind(cc, args, kwargs)
-    raise violation_from_raw(raw, site, _partner(raw, ba))
+    raise violation_from_raw(raw, site, _Bound(cc, args, kwargs).get(raw.rule.partner))
 
 
 _ = MISSING  # re-exported for the patch module

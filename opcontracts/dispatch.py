@@ -82,10 +82,7 @@ class ContractDispatchMode(TorchDispatchMode):
         fast = cc.fast
         if fast is not None and fast(*args, **kwargs) is True:
             return func(*args, **kwargs)
-        raw = cc.check(*args, **kwargs)
-        if raw is None:
-            return func(*args, **kwargs)
-        return _violated(m, raw, cc, func, args, kwargs)
+        return _violated(m, cc, func, args, kwargs)
 
 
 

@@ -146,3 +146,21 @@ def test_contiguous_fix():
     with opcontracts.mode("fix"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert f(torch.ones(2, 3).t()) is True
+
+
+def test_repeated_fixes_at_one_site_replay_and_fall_back_correctly():
+    tokens, idx, probs = inputs()
+    variants = [
+        (idx, probs),                                  # fp32 probs
+        (idx, probs.detach().half()),                  # fp16 probs: the cached cast still applies
+        (idx.long(), probs.detach().double()),         # a second rule breaks too: slow path
+    ]
+    seen.clear()
+    with opcontracts.mode("fix"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        outs = [unpermute(tokens, i, p) for i, p in variants]  # one call site
+    assert seen == [torch.bfloat16] * 3
+    for o in outs[1:]:
+        torch.testing.assert_close(o, outs[0])
+    recs = {r.arg: r for r in opcontracts.report().records}
+    assert recs["probs"].fixed == 3 and recs["indices"].fixed == 1

@@ -1,0 +1,39 @@
+"""CPU emulation of the Ascend NPU fused operators, for machines without torch_npu.
+
+Opt-in and independent of the contract checker: ``import opcontracts`` never imports it.
+
+``install()`` registers the torch_npu MoE / matmul / norm / attention ops as real dispatcher
+ops in ``torch.ops.npu`` (reference kernels in plain PyTorch, fake implementations for
+``torch.compile``, autograd), and makes ``import torch_npu`` and ``import mindspeed.ops.*``
+resolve to thin stand-in modules. The kernels reproduce the failure the project guards
+against: under a *kernel dtype profile*, an argument in a dtype the kernel does not support
+is silently misread (its bytes reinterpreted as the dtype the kernel assumes), exactly as
+the NPU kernels do. Profiles: ``"narrow"`` (default), ``"incident"``, ``"wide"``; see
+``PROFILES``.
+
+Typical use::
+
+    from opcontracts import emulation
+    emulation.install("incident")
+    import torch_npu
+    ...
+    emulation.uninstall()
+"""
+
+from __future__ import annotations
+
+from ._install import current_profile, install, installed, uninstall
+from ._ops import OP_NAMES
+from ._profiles import PROFILES, Profile
+from ._standins import MODULE_NAMES as STANDIN_MODULES
+
+__all__ = [
+    "OP_NAMES",
+    "PROFILES",
+    "STANDIN_MODULES",
+    "Profile",
+    "current_profile",
+    "install",
+    "installed",
+    "uninstall",
+]

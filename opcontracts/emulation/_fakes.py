@@ -1,0 +1,250 @@
+"""Fake (meta) implementations: output shapes and dtypes without touching data.
+
+``torch.compile`` traces the emulated ops through these, so they must agree with the kernels
+in ``_kernels.py`` on every output's shape and dtype. Like the kernels, they receive arguments
+already mapped to the dtype the kernel assumes (``_raw.fake_view``), so a misread input
+yields the same output dtype here as in eager mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from . import _kernels as K
+
+__all__ = [
+    "npu_fusion_attention",
+    "npu_grouped_matmul",
+    "npu_moe_compute_expert_tokens",
+    "npu_moe_finalize_routing",
+    "npu_moe_gating_top_k_softmax",
+    "npu_moe_init_routing",
+    "npu_moe_token_permute",
+    "npu_moe_token_permute_grad",
+    "npu_moe_token_permute_with_routing_map",
+    "npu_moe_token_unpermute",
+    "npu_moe_token_unpermute_grad",
+    "npu_moe_token_unpermute_with_routing_map",
+    "npu_rms_norm",
+    "npu_rotary_mul",
+    "npu_swiglu",
+]
+
+_I32 = torch.int32
+
+
+def _num_out_rows(num_out_tokens: int | None, total: int) -> int:
+    if num_out_tokens is None or num_out_tokens <= 0:
+        return total
+    return torch.sym_min(num_out_tokens, total)
+
+
+def npu_moe_token_permute(
+    tokens: torch.Tensor,
+    indices: torch.Tensor,
+    num_out_tokens: int | None = None,
+    padded_mode: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    total = indices.numel()
+    rows = _num_out_rows(num_out_tokens, total)
+    return tokens.new_empty((rows, tokens.size(1))), indices.new_empty((total,), dtype=_I32)
+
+
+def npu_moe_token_permute_grad(
+    tokens: torch.Tensor,
+    grad_permuted_tokens: torch.Tensor,
+    indices: torch.Tensor,
+    sorted_indices: torch.Tensor,
+    padded_mode: bool = False,
+) -> torch.Tensor:
+    return grad_permuted_tokens.new_empty((tokens.size(0), grad_permuted_tokens.size(1)))
+
+
+def _unpermute_rows(sorted_indices: torch.Tensor, probs: torch.Tensor | None) -> int:
+    topk = probs.size(1) if probs is not None and probs.dim() == 2 else 1
+    return sorted_indices.numel() // topk
+
+
+def npu_moe_token_unpermute(
+    permuted_tokens: torch.Tensor,
+    sorted_indices: torch.Tensor,
+    probs: torch.Tensor | None = None,
+    padded_mode: bool = False,
+    restore_shape: Sequence[int] | None = None,
+) -> torch.Tensor:
+    rows = _unpermute_rows(sorted_indices, probs)
+    return permuted_tokens.new_empty((rows, permuted_tokens.size(1)))
+
+
+def npu_moe_token_unpermute_grad(
+    permuted_tokens: torch.Tensor,
+    grad_unpermuted_tokens: torch.Tensor,
+    sorted_indices: torch.Tensor,
+    probs: torch.Tensor | None = None,
+    padded_mode: bool = False,
+    restore_shape: Sequence[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_permuted = permuted_tokens.new_empty(permuted_tokens.shape)
+    if probs is None:
+        return grad_permuted, permuted_tokens.new_empty((0,))
+    return grad_permuted, probs.new_empty(probs.shape)
+
+
+def npu_moe_token_permute_with_routing_map(
+    tokens: torch.Tensor,
+    routing_map: torch.Tensor,
+    *,
+    probs: torch.Tensor | None = None,
+    num_out_tokens: int | None = None,
+    drop_and_pad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows = K.routing_map_out_rows(tokens.size(0), routing_map, num_out_tokens, drop_and_pad)
+    permuted_probs = probs.new_empty((rows,)) if probs is not None else tokens.new_empty((0,))
+    return (
+        tokens.new_empty((rows, tokens.size(1))),
+        permuted_probs,
+        tokens.new_empty((rows,), dtype=_I32),
+    )
+
+
+def npu_moe_token_unpermute_with_routing_map(
+    permuted_tokens: torch.Tensor,
+    sorted_indices: torch.Tensor,
+    restore_shape: Sequence[int],
+    *,
+    probs: torch.Tensor | None = None,
+    routing_map: torch.Tensor | None = None,
+    drop_and_pad: bool = False,
+) -> torch.Tensor:
+    return permuted_tokens.new_empty((restore_shape[0], restore_shape[1]))
+
+
+def npu_moe_init_routing(
+    x: torch.Tensor, row_idx: torch.Tensor, expert_idx: torch.Tensor, active_num: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n_rows, topk = expert_idx.shape
+    active = torch.sym_min(n_rows, max(active_num, 0)) * topk
+    total = n_rows * topk
+    return (
+        x.new_empty((active, x.size(1))),
+        x.new_empty((total,), dtype=_I32),
+        x.new_empty((total,), dtype=_I32),
+    )
+
+
+def npu_moe_finalize_routing(
+    expanded_permuted_rows: torch.Tensor,
+    skip1: torch.Tensor | None,
+    skip2: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    scales: torch.Tensor | None,
+    expanded_src_to_dst_row: torch.Tensor,
+    export_for_source_row: torch.Tensor | None,
+    drop_pad_mode: int | None = 0,
+    k: int | None = 1,
+) -> torch.Tensor:
+    topk = scales.size(1) if scales is not None else max(k or 1, 1)
+    rows = expanded_src_to_dst_row.numel() // topk
+    return expanded_permuted_rows.new_empty((rows, expanded_permuted_rows.size(1)))
+
+
+def npu_moe_gating_top_k_softmax(
+    x: torch.Tensor, finished: torch.Tensor | None = None, k: int = 1
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    shape = (*x.shape[:-1], k)
+    return x.new_empty(shape), x.new_empty(shape, dtype=_I32), x.new_empty(shape, dtype=_I32)
+
+
+def npu_moe_compute_expert_tokens(
+    sorted_expert_for_source_row: torch.Tensor, num_expert: int
+) -> torch.Tensor:
+    return sorted_expert_for_source_row.new_empty((num_expert,), dtype=_I32)
+
+
+def npu_grouped_matmul(
+    x: Sequence[torch.Tensor],
+    weight: Sequence[torch.Tensor],
+    *,
+    bias: Sequence[torch.Tensor] | None = None,
+    group_list: torch.Tensor | None = None,
+    split_item: int | None = 0,
+    group_type: int | None = None,
+    group_list_type: int | None = 0,
+) -> list[torch.Tensor]:
+    ws = K.grouped_weights(weight)
+    if K.is_grouped(x, group_type):
+        xs = x[0]
+        if split_item in (2, 3):
+            return [xs.new_empty((xs.size(0), ws[0].size(-1)))]
+        ctx = torch.library.get_ctx()
+        return [xs.new_empty((ctx.new_dynamic_size(), w.size(-1))) for w in ws]
+    outs = [xi.new_empty((xi.size(0), ws[i].size(-1))) for i, xi in enumerate(x)]
+    if split_item in (2, 3):
+        rows = sum(o.size(0) for o in outs)
+        return [outs[0].new_empty((rows, outs[0].size(1)))]
+    return outs
+
+
+def npu_rms_norm(
+    self: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    n = max(gamma.dim(), 1)
+    rstd_shape = (*self.shape[:-n], *([1] * n))
+    return self.new_empty(self.shape), self.new_empty(rstd_shape, dtype=torch.float32)
+
+
+def npu_swiglu(self: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    shape = list(self.shape)
+    shape[dim] = shape[dim] // 2
+    return self.new_empty(shape)
+
+
+def npu_rotary_mul(
+    self: torch.Tensor,
+    r1: torch.Tensor,
+    r2: torch.Tensor,
+    rotary_mode: str = "half",
+    rotate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    return self.new_empty(torch.broadcast_shapes(self.shape, r1.shape, r2.shape))
+
+
+def npu_fusion_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    head_num: int,
+    input_layout: str,
+    pse: torch.Tensor | None = None,
+    padding_mask: torch.Tensor | None = None,
+    atten_mask: torch.Tensor | None = None,
+    scale: float = 1.0,
+    keep_prob: float = 1.0,
+    pre_tockens: int = 2147483647,
+    next_tockens: int = 2147483647,
+    inner_precise: int = 0,
+    prefix: Sequence[int] | None = None,
+    actual_seq_qlen: Sequence[int] | None = None,
+    actual_seq_kvlen: Sequence[int] | None = None,
+    sparse_mode: int = 0,
+    gen_mask_parallel: bool = True,
+    sync: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:
+    heads, kv_heads = K.attention_heads(query, key, head_num, input_layout)
+    q = K.attention_layout_to_bnsd(query, input_layout, heads)
+    v = K.attention_layout_to_bnsd(value, input_layout, kv_heads)
+    b, n, sq, _ = q.shape
+    out_bnsd = query.new_empty((b, n, sq, v.size(-1)))
+    out = K.bnsd_to_attention_layout(out_bnsd, input_layout)
+    stats = query.new_empty((b, n, sq, 8), dtype=torch.float32)
+    return (
+        query.new_empty(out.shape),
+        stats,
+        stats.new_empty(stats.shape),
+        query.new_empty((0,)),
+        0,
+        0,
+        0,
+    )

@@ -1,0 +1,102 @@
+"""install() / uninstall(): the emulation's lifecycle, and the refusal to shadow a real torch_npu."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import threading
+
+from torch.library import Library
+
+from . import _ops, _profiles
+from ._standins import MODULE_NAMES, StandinFinder, is_standin
+
+__all__ = ["current_profile", "install", "installed", "uninstall"]
+
+DEFAULT_TORCH_NPU_VERSION = "2.13.0"
+DEFAULT_MINDSPEED_VERSION = "0.8.0"
+
+_lock = threading.RLock()
+_lib: Library | None = None
+_finder: StandinFinder | None = None
+
+
+def _real_torch_npu() -> str | None:
+    """Why a real torch_npu is present (without importing it), or None."""
+    module = sys.modules.get("torch_npu")
+    if module is not None and not is_standin(module):
+        return f"sys.modules['torch_npu'] is {module!r}"
+    if module is None:
+        try:
+            spec = importlib.util.find_spec("torch_npu")
+        except (ImportError, ValueError):
+            spec = None
+        if spec is not None and not (_finder is not None and _finder.owns(spec)):
+            return f"torch_npu is importable from {spec.origin or spec.name}"
+    return None
+
+
+def install(
+    profile: str | _profiles.ProfileSpec | _profiles.Profile = "narrow",
+    *,
+    version: str = DEFAULT_TORCH_NPU_VERSION,
+    mindspeed_version: str = DEFAULT_MINDSPEED_VERSION,
+) -> None:
+    """Register the emulated ``torch.ops.npu`` ops and the stand-in modules.
+
+    ``profile`` is a name from ``PROFILES`` or a mapping of the same structure. Installing
+    again only switches the profile (and the reported versions). Raises RuntimeError when a
+    real torch_npu is loaded or importable: the emulation never shadows real kernels.
+    """
+    global _lib, _finder
+    with _lock:
+        resolved = _profiles.resolve(profile, _ops.tensor_args())
+        versions = {"torch_npu": version, "mindspeed": mindspeed_version}
+        if _lib is not None and _finder is not None:
+            _profiles.activate(resolved)
+            _finder.set_versions(versions)
+            return
+        reason = _real_torch_npu()
+        if reason is not None:
+            raise RuntimeError(
+                f"opcontracts.emulation.install() refused: a real torch_npu is present ({reason}). "
+                "The emulation is for machines without an NPU stack."
+            )
+        lib = _ops.register()
+        _profiles.activate(resolved)
+        finder = StandinFinder(versions)
+        finder.insert()
+        _lib, _finder = lib, finder
+
+
+def uninstall() -> None:
+    """Undo :func:`install`: drop the stand-in modules, the finder and the ``npu`` ops.
+
+    References to stand-in modules or op packets taken earlier go stale (calling them fails).
+    A no-op when not installed.
+    """
+    global _lib, _finder
+    with _lock:
+        if _finder is not None:
+            _finder.remove()
+        for name in list(sys.modules):
+            root = name.split(".", 1)[0]
+            if (name in MODULE_NAMES or root in ("torch_npu", "mindspeed")) and is_standin(
+                sys.modules[name]
+            ):
+                del sys.modules[name]
+        if _lib is not None:
+            _ops.deregister(_lib)
+        _profiles.deactivate()
+        _lib, _finder = None, None
+
+
+def installed() -> bool:
+    """Whether the emulation is installed in this process."""
+    return _lib is not None
+
+
+def current_profile() -> _profiles.Profile | None:
+    """The active :class:`Profile` (``.name``, ``.kernels``, ``.as_spec()``), None when not installed."""
+    return _profiles.active()
+

@@ -1,0 +1,252 @@
+"""Stand-in ``torch_npu`` and ``mindspeed`` modules, served by a ``sys.meta_path`` finder.
+
+The modules are real imports: a finder returns a ``ModuleSpec`` with a loader that builds
+the module in ``exec_module``. So ``import mindspeed.ops.gmm`` and
+``from mindspeed.ops.npu_moe_token_unpermute import npu_moe_token_unpermute`` go through the
+normal import system, and other import hooks (a patcher that wraps loaders, say) see these
+imports like any other. The finder sits just before ``PathFinder``: hooks inserted at the
+front of ``sys.meta_path`` (before or after ``install()``) run first, and a stray real
+``mindspeed`` checkout on ``sys.path`` is shadowed.
+
+Every module built here carries ``__opcontracts_emulation__ = True``; each load creates fresh
+function objects, so patches applied to one install do not leak into the next.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ._ops import NAMESPACE, OP_NAMES
+
+__all__ = ["MARKER", "MODULE_NAMES", "StandinFinder", "is_standin"]
+
+MARKER = "__opcontracts_emulation__"
+
+_PACKAGES = ("torch_npu", "mindspeed", "mindspeed.ops")
+
+
+def is_standin(module: object) -> bool:
+    """Whether ``module`` was built by this emulation."""
+    return getattr(module, MARKER, False) is True
+
+
+def _npu() -> Any:
+    """``torch.ops.npu``, resolved at each call so dispatcher-level wrappers are honoured."""
+    return getattr(torch.ops, NAMESPACE)
+
+
+# --------------------------------------------------------------------------- MindSpeed functions
+# The signatures below equal MindSpeed's (see the facts file's MindSpeed table) and are left
+# unannotated on purpose: ``str(inspect.signature(f))`` must read exactly like the table.
+
+
+def npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_mode=False, restore_shape=None):  # type: ignore[no-untyped-def]
+    """MindSpeed's JIT-built unpermute op (emulated by ``torch.ops.npu.npu_moe_token_unpermute``)."""
+    return _npu().npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs, padded_mode, restore_shape)
+
+
+def npu_moe_token_permute(tokens, indices, num_out_tokens=None, padded_mode=False):  # type: ignore[no-untyped-def]
+    """MindSpeed's JIT-built permute op (emulated by ``torch.ops.npu.npu_moe_token_permute``)."""
+    return _npu().npu_moe_token_permute(tokens, indices, num_out_tokens, padded_mode)
+
+
+def _group_list_tensor(group_list: Any, x: torch.Tensor) -> torch.Tensor | None:
+    if group_list is None or isinstance(group_list, torch.Tensor):
+        return group_list  # a tensor passes untouched: its dtype is the caller's business
+    return torch.tensor(list(group_list), dtype=torch.int64, device=x.device)
+
+
+def _gmm(x: torch.Tensor, weight: torch.Tensor, bias: Any, group_list: Any, group_type: int, group_list_type: int) -> torch.Tensor:
+    outs = _npu().npu_grouped_matmul(
+        [x],
+        [weight],
+        bias=[bias] if bias is not None else None,
+        group_list=_group_list_tensor(group_list, x),
+        split_item=3,
+        group_type=group_type,
+        group_list_type=group_list_type,
+    )
+    return outs[0]
+
+
+def npu_gmm(x, weight, *, bias=None, group_list=None, group_type=0, gemm_fusion=False, original_weight=None):  # type: ignore[no-untyped-def]
+    """MindSpeed's grouped matmul: ``group_list`` holds cumulative row ends (group_list_type 0).
+
+    ``gemm_fusion`` / ``original_weight`` (fused weight-gradient accumulation) are ignored.
+    """
+    return _gmm(x, weight, bias, group_list, group_type, 0)
+
+
+def npu_gmm_v2(x, weight, *, bias=None, group_list=None, group_type=0, gemm_fusion=False, original_weight=None):  # type: ignore[no-untyped-def]
+    """Like :func:`npu_gmm`, but ``group_list`` holds per-group row counts (group_list_type 1)."""
+    return _gmm(x, weight, bias, group_list, group_type, 1)
+
+
+def npu_rotary_position_embedding(x, cos, sin, mode=0):  # type: ignore[no-untyped-def]
+    """MindSpeed's RoPE: mode 0 rotates halves, mode 1 interleaved pairs (``npu_rotary_mul``)."""
+    return _npu().npu_rotary_mul(x, cos, sin, "half" if mode == 0 else "interleave")
+
+
+def npu_ring_attention_update(prev_attn_out, prev_softmax_max, prev_softmax_sum, cur_attn_out, cur_softmax_max, cur_softmax_sum, actual_seq_qlen=None, layout="SBH"):  # type: ignore[no-untyped-def]
+    """Merge two partial attention results by their softmax statistics (plain PyTorch).
+
+    Layout "SBH": attn_out (S, B, H), stats (B, N, S, 8); layout "TND": attn_out (T, N, D),
+    stats (T, N, 8). Returns (attn_out, softmax_max, softmax_sum).
+    """
+    new_max = torch.maximum(prev_softmax_max, cur_softmax_max)
+    prev_scaled = prev_softmax_sum * torch.exp(prev_softmax_max - new_max)
+    cur_scaled = cur_softmax_sum * torch.exp(cur_softmax_max - new_max)
+    new_sum = prev_scaled + cur_scaled
+    prev_w, cur_w = prev_scaled / new_sum, cur_scaled / new_sum
+    if layout == "SBH":
+        seq, batch, hidden = prev_attn_out.shape
+        heads = prev_softmax_max.size(1)
+
+        def spread(w: torch.Tensor) -> torch.Tensor:  # (B, N, S, 8) -> (S, B, H)
+            per_head = w[..., 0].permute(2, 0, 1).unsqueeze(-1)
+            return per_head.expand(seq, batch, heads, hidden // heads).reshape(seq, batch, hidden)
+
+    elif layout == "TND":
+
+        def spread(w: torch.Tensor) -> torch.Tensor:  # (T, N, 8) -> (T, N, D)
+            return w[..., :1].expand_as(prev_attn_out)
+
+    else:
+        raise NotImplementedError(f"layout {layout!r} is not emulated (SBH, TND)")
+    out = prev_attn_out.float() * spread(prev_w) + cur_attn_out.float() * spread(cur_w)
+    return out.to(prev_attn_out.dtype), new_max, new_sum
+
+
+# --------------------------------------------------------------------------- module builders
+
+
+def _fresh(fn: Callable[..., Any], module: types.ModuleType) -> Callable[..., Any]:
+    """A new function object with ``fn``'s code, owned by ``module``."""
+    assert isinstance(fn, types.FunctionType)
+    copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = dict(fn.__kwdefaults__) if fn.__kwdefaults__ else None
+    copy.__doc__ = fn.__doc__
+    copy.__qualname__ = fn.__name__
+    copy.__module__ = module.__name__
+    return copy
+
+
+def _export(module: types.ModuleType, functions: Sequence[Callable[..., Any]]) -> None:
+    for fn in functions:
+        setattr(module, fn.__name__, _fresh(fn, module))
+    module.__all__ = [fn.__name__ for fn in functions]  # type: ignore[attr-defined]
+
+
+class _Builders:
+    """What each stand-in module contains; versions are read at build time."""
+
+    def __init__(self, versions: dict[str, str]) -> None:
+        self.versions = versions
+
+    def torch_npu(self, module: types.ModuleType) -> None:
+        module.__version__ = self.versions["torch_npu"]  # type: ignore[attr-defined]
+        module.__doc__ = "opcontracts emulation of torch_npu: npu_* are torch.ops.npu packets."
+        for name in OP_NAMES:
+            setattr(module, name, getattr(_npu(), name))
+
+    def mindspeed(self, module: types.ModuleType) -> None:
+        module.__version__ = self.versions["mindspeed"]  # type: ignore[attr-defined]
+        module.__doc__ = "opcontracts emulation of MindSpeed (mindspeed.ops only)."
+
+    def mindspeed_ops(self, module: types.ModuleType) -> None:
+        module.__doc__ = "opcontracts emulation of mindspeed.ops."
+
+    def unpermute(self, module: types.ModuleType) -> None:
+        _export(module, [npu_moe_token_unpermute])
+
+    def permute(self, module: types.ModuleType) -> None:
+        _export(module, [npu_moe_token_permute])
+
+    def gmm(self, module: types.ModuleType) -> None:
+        _export(module, [npu_gmm, npu_gmm_v2])
+
+    def rope(self, module: types.ModuleType) -> None:
+        _export(module, [npu_rotary_position_embedding])
+
+    def ring(self, module: types.ModuleType) -> None:
+        _export(module, [npu_ring_attention_update])
+
+    def table(self) -> dict[str, Callable[[types.ModuleType], None]]:
+        return {
+            "torch_npu": self.torch_npu,
+            "mindspeed": self.mindspeed,
+            "mindspeed.ops": self.mindspeed_ops,
+            "mindspeed.ops.npu_moe_token_unpermute": self.unpermute,
+            "mindspeed.ops.npu_moe_token_permute": self.permute,
+            "mindspeed.ops.gmm": self.gmm,
+            "mindspeed.ops.npu_rotary_position_embedding": self.rope,
+            "mindspeed.ops.npu_ring_attention_update": self.ring,
+        }
+
+
+MODULE_NAMES: tuple[str, ...] = tuple(_Builders({}).table())
+
+
+class _StandinLoader(importlib.abc.Loader):
+    def __init__(self, builders: _Builders) -> None:
+        self._builders = builders
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        return None  # the default module object
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        setattr(module, MARKER, True)
+        self._builders.table()[module.__name__](module)
+
+
+class StandinFinder(importlib.abc.MetaPathFinder):
+    """Finds the stand-in modules; everything else is left to the other finders."""
+
+    def __init__(self, versions: dict[str, str]) -> None:
+        self.versions = versions
+        self._builders = _Builders(versions)
+        self._loader = _StandinLoader(self._builders)
+
+    def find_spec(
+        self,
+        fullname: str,
+        path: Sequence[str] | None = None,
+        target: types.ModuleType | None = None,
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in MODULE_NAMES:
+            return None
+        spec = importlib.machinery.ModuleSpec(
+            fullname, self._loader, origin=__file__, is_package=fullname in _PACKAGES
+        )
+        spec.has_location = True  # __file__ points at this file, where the code lives
+        return spec
+
+    def owns(self, spec: importlib.machinery.ModuleSpec | None) -> bool:
+        return spec is not None and spec.loader is self._loader
+
+    def insert(self) -> None:
+        """Put the finder just before ``PathFinder`` (or last when there is none)."""
+        for i, finder in enumerate(sys.meta_path):
+            if finder is importlib.machinery.PathFinder:
+                sys.meta_path.insert(i, self)
+                return
+        sys.meta_path.append(self)
+
+    def remove(self) -> None:
+        while self in sys.meta_path:
+            sys.meta_path.remove(self)
+
+    def set_versions(self, versions: dict[str, str]) -> None:
+        """Change the reported versions, also on stand-ins already imported."""
+        self.versions.update(versions)
+        for name, attr in (("torch_npu", "torch_npu"), ("mindspeed", "mindspeed")):
+            module = sys.modules.get(name)
+            if is_standin(module):
+                module.__version__ = self.versions[attr]  # type: ignore[union-attr]
