@@ -63,6 +63,17 @@ class _Store:
 _store = _Store()
 
 
+def bump(keys: list[tuple[str, str | None, str, str, str]], fixed: bool) -> None:
+    """Count a repeat of known violations (the cached slow path: no message, no frame walk)."""
+    with _store.lock:
+        for key in keys:
+            _store.total += 1
+            rec = _store.records.get(key)
+            if rec is not None:
+                rec.count += 1
+                rec.fixed += int(fixed)
+
+
 def record(op: str, arg: str | None, rule: str, call_site: str, mode: str, message: str,
            fixed: bool = False, rank: int | None = None) -> tuple[Record | None, bool]:
     """Count one violation; returns the record and whether it is new."""
@@ -153,6 +164,16 @@ def reset_report() -> None:
         _store.records.clear()
         _store.dropped = 0
         _store.total = 0
+    _on_reset()
+
+
+def _on_reset() -> None:
+    """Forget cached per-site state that refers to records (set by the enforcer)."""
+    for cb in _reset_callbacks:
+        cb()
+
+
+_reset_callbacks: list[Any] = []
 
 
 def current_rank() -> int | None:
