@@ -9,6 +9,7 @@ from ._modes import get_mode, mode, set_mode
 from ._registry import UnknownOpError, get_contract, register
 from ._report import Report, report, reset_report
 from ._values import set_value_checks, value_checks_enabled
+from ._versions import set_versions
 from .decorator import check, enforce
 from .errors import (
     ContractFileError,
@@ -45,5 +46,6 @@ __all__ = [
     "reset_report",
     "set_mode",
     "set_value_checks",
+    "set_versions",
     "value_checks_enabled",
 ]

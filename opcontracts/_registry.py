@@ -71,9 +71,12 @@ def unregister(op: str) -> None:
 
 
 def clear() -> None:
+    """Forget every contract (the shipped ones are loaded again on the next need)."""
+    global _shipped_loaded
     with _lock:
         _by_op.clear()
         _resolved.clear()
+        _shipped_loaded = False
 
 
 def invalidate() -> None:

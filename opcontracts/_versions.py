@@ -50,7 +50,7 @@ from packaging.version import InvalidVersion, Version
 from .spec import When
 
 __all__ = [
-    "Env", "FIELDS", "current", "refresh", "applies", "explain", "describe", "set_versions",
+    "Env", "FIELDS", "current", "refresh", "applies", "explain", "describe", "rows", "set_versions",
     "normalize_version", "parse_version", "satisfies", "soc_matches",
 ]
 
@@ -228,7 +228,9 @@ def _cond_text(name: str, cond: Any) -> str:
 
 
 def explain(when: When | None, env: Env) -> str:
-    """Why ``when`` does or does not apply in ``env``, one clause per condition that decides."""
+    """Why ``when`` does or does not apply in ``env``: the failed conditions if any, else the
+    unknown ones, else the ones met (``"needs cann <8.0.0, found 8.0.0"``,
+    ``"cann unknown (needed for cann >=8.0.0; set OPCONTRACTS_CANN_VERSION)"``)."""
     if when is None:
         return "no version conditions"
     failed, unknown, met = [], [], []
@@ -237,27 +239,23 @@ def explain(when: When | None, env: Env) -> str:
         text = _cond_text(name, cond)
         if name == "soc":
             if not have:
-                unknown.append(f"{text}: soc unknown (set OPCONTRACTS_SOC)")
+                unknown.append(f"soc unknown (needed for {text}; set OPCONTRACTS_SOC)")
             elif soc_matches(have, cond):
-                met.append(f"{text}: found {have}")
+                met.append(f"soc {have} is {' or '.join(cond)}")
             else:
                 failed.append(f"needs {text}, found {have}")
             continue
         v = parse_version(have)
         shown = have if v is None or str(v) == have else f"{have} (= {v})"
         if v is None:
-            hint = ENV_VARS.get(name)
-            why = "unknown" if not have else f"{have!r} is not a version"
-            unknown.append(f"{text}: {name} {why}" + (f" (set {hint})" if hint else ""))
+            var = ENV_VARS.get(name)
+            what = "unknown" if not have else f"{have!r} is not a version"
+            unknown.append(f"{name} {what} (needed for {text}" + (f"; set {var})" if var else ")"))
         elif satisfies(v, cond):
-            met.append(f"{text}: found {shown}")
+            met.append(f"{name} {shown} meets {cond}")
         else:
             failed.append(f"needs {text}, found {shown}")
-    if failed:
-        return "; ".join(failed)
-    if unknown:
-        return "; ".join(unknown)
-    return "; ".join(met) or "no version conditions"
+    return "; ".join(failed or unknown or met) or "no version conditions"
 
 
 # --------------------------------------------------------------------------- detection
@@ -300,17 +298,16 @@ def _read_key(path: Path, keys: tuple[str, ...]) -> str | None:
         lines = path.read_text(encoding="utf-8", errors="replace").splitlines()[:200]
     except OSError:
         return None
-    values = {}
+    values: dict[str, str] = {}
     for line in lines:
         k, sep, v = line.partition("=")
         if sep:
             values[k.strip().lower()] = v.strip()
     for key in keys:
-        v = values.get(key)
-        if v:
-            v = v.strip("[]")
+        found = values.get(key, "").strip("[]")
+        if found:
             # version.cfg: [7.5.0.1.129:8.0.RC3] -> the CANN version after the colon
-            return v.rpartition(":")[2].strip() or None
+            return found.rpartition(":")[2].strip() or None
     return None
 
 
@@ -444,38 +441,55 @@ def set_versions(*, torch_npu: str | None = _KEEP, cann: str | None = _KEEP,
     Resolutions of contracts are recomputed on their next use; guards made earlier by
     ``enforce("op")`` keep the contract they resolved.
     """
-    given = {"torch_npu": torch_npu, "cann": cann, "mindspeed": mindspeed, "soc": soc}
+    given = {k: v for k, v in {"torch_npu": torch_npu, "cann": cann, "mindspeed": mindspeed,
+                               "soc": soc}.items() if v is not _KEEP}
+    for k, v in given.items():  # validate everything before changing anything
+        if v is None:
+            continue
+        if not isinstance(v, str):
+            raise TypeError(f"set_versions({k}=...): expected a string or None, got {v!r}")
+        text = v.strip()
+        if not text or (k != "soc" and text.lower() != UNKNOWN
+                        and normalize_version(text) is None):
+            raise ValueError(f"set_versions({k}={v!r}): not a version "
+                             "(try '2.13.0', '8.0.RC3' or 'unknown')")
     with _lock:
-        prev: dict[str, str | None] = {k: _overrides.get(k) for k in given}
+        prev: dict[str, str | None] = {k: _overrides.get(k) for k in FIELDS if k in ENV_VARS}
         for k, v in given.items():
-            if v is _KEEP:
-                continue
             if v is None:
                 _overrides.pop(k, None)
-            elif not isinstance(v, str) or not v.strip():
-                raise TypeError(f"set_versions({k}=...): expected a version string or None, "
-                                f"got {v!r}")
             else:
-                if k != "soc" and v.strip().lower() != UNKNOWN and normalize_version(v) is None:
-                    raise ValueError(f"set_versions({k}={v!r}): not a version "
-                                     "(try '2.13.0' or '8.0.RC3')")
                 _overrides[k] = v.strip()
     refresh()
     return prev
 
 
-def describe(env: Env) -> dict[str, str]:
-    """``{name: "value (origin)"}`` for display, ``"unknown (...)"`` where nothing was found."""
-    out = {}
+def rows(env: Env) -> list[tuple[str, str, str]]:
+    """``(name, value, where it came from)`` per field, for display: the value with its PEP 440
+    reading when that differs (``8.0.RC3 (= 8.0rc3)``), ``unknown`` with the variable to set."""
+    out = []
     for name in FIELDS:
         v = getattr(env, name)
         origin = env.origin(name)
         if v is None:
+            value = UNKNOWN
             var = ENV_VARS.get(name)
-            hint = f"set {var}" if var else "not found"
-            out[name] = f"unknown ({origin}; {hint})" if origin != UNKNOWN else f"unknown ({hint})"
-            continue
-        norm = parse_version(v) if name != "soc" else None
-        shown = v if norm is None or str(norm) == v else f"{v} (= {norm})"
-        out[name] = f"{shown}  [{origin}]"
+            if origin != UNKNOWN:
+                origin = f"set to unknown by {origin}"
+            elif name == "cann":
+                origin = "no CANN toolkit found (" + ", ".join(
+                    [f"${v}" for v in CANN_ROOT_VARS] + CANN_DEFAULT_ROOTS) + f"); set {var}"
+            else:
+                origin = "nothing found" + (f"; set {var}" if var else "")
+        else:
+            norm = parse_version(v) if name != "soc" else None
+            value = v if norm is None or str(norm) == v else f"{v} (= {norm})"
+        if name in env.emulated:
+            origin += " [emulation, not the real package]"
+        out.append((name, value, origin))
     return out
+
+
+def describe(env: Env) -> dict[str, str]:
+    """``{name: "value  [origin]"}`` for display (see ``rows``)."""
+    return {name: f"{value}  [{origin}]" for name, value, origin in rows(env)}

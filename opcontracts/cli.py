@@ -5,29 +5,56 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._versions import Env
+    from .spec import Arg, Contract, When
 
 __all__ = ["main"]
 
 
-def _rules(arg: object) -> str:
-    from .spec import Arg
+def _dt(names: Sequence[str]) -> str:
+    from ._dtypes import parse_dtype, short_name
 
-    assert isinstance(arg, Arg)
+    return "/".join(short_name(parse_dtype(n)) for n in names)
+
+
+def _rules(arg: Arg) -> str:
+    """One line per argument: every rule the checker will run, in the contract's own words."""
     parts = []
+    if arg.tensor_list:
+        parts.append("list" + (f" (<= {arg.max_len})" if arg.max_len is not None else ""))
     if arg.dtype:
-        parts.append("/".join(arg.dtype))
+        parts.append(_dt(arg.dtype))
+    if arg.same_dtype_as:
+        text = f"dtype of {arg.same_dtype_as}"
+        for k, v in (arg.same_dtype_except or {}).items():
+            text += f" (or {_dt(v)} when it is {_dt([k])})"
+        parts.append(text)
     if arg.shape:
         parts.append(" | ".join(f"({s})" for s in arg.shape))
     if arg.rank:
         parts.append("rank " + "/".join(map(str, arg.rank)))
-    if arg.same_dtype_as:
-        parts.append(f"dtype of {arg.same_dtype_as}")
-    if arg.tensor_list:
-        parts.append("list")
+    for name, b in (arg.dims or {}).items():
+        for op_name, sym in (("ge", ">="), ("le", "<="), ("lt", "<")):
+            if getattr(b, op_name) is not None:
+                parts.append(f"{name} {sym} {getattr(b, op_name)}")
+    if arg.numel_lt is not None:
+        parts.append(f"numel < {arg.numel_lt}")
+    if arg.same_shape_as:
+        parts.append(f"shape of {arg.same_shape_as}")
+    if arg.int_list:
+        parts.append("or a list of ints")
+    if arg.contiguous:
+        parts.append("contiguous")
+    if arg.allowed is not None:
+        parts.append("one of " + ", ".join(map(repr, arg.allowed)))
+    for op_name, sym in (("ge", ">="), ("le", "<="), ("lt", "<")):
+        if getattr(arg, op_name) is not None:
+            parts.append(f"{sym} {getattr(arg, op_name)}")
     if arg.optional:
         parts.append("optional")
-    if arg.allowed is not None:
-        parts.append("in " + ", ".join(map(repr, arg.allowed)))
     if arg.values is not None:
         from ._values import describe
 
@@ -35,7 +62,42 @@ def _rules(arg: object) -> str:
     return ", ".join(parts) or "-"
 
 
+def _when_text(when: When) -> str:
+    out = []
+    for k, v in when.model_dump().items():
+        if v:
+            out.append(f"soc {' or '.join(v)}" if k == "soc" else f"{k} {v}")
+    return ", ".join(out)
+
+
+def _print_contract(c: Contract, status: str, indent: str = "  ") -> None:
+    print(f"{indent}[{status}]")
+    if c.when is not None:
+        print(f"{indent}  when:    {_when_text(c.when)}")
+    print(f"{indent}  targets: {', '.join(c.targets) or '-'}")
+    print(f"{indent}  source:  {c.source or '-'}")
+    width = max((len(n) for n in c.args), default=0)
+    for name, a in c.args.items():
+        print(f"{indent}  {name:<{width}}  {_rules(a)}")
+
+
+def _env_line(env: Env) -> str:
+    from . import _versions
+
+    parts = []
+    for name in _versions.FIELDS:
+        v = getattr(env, name)
+        text = f"{name} {v or 'unknown'}"
+        if name in env.emulated:
+            text += " (emulation)"
+        parts.append(text)
+    return ", ".join(parts)
+
+
 def _cmd_list(ns: argparse.Namespace) -> int:
+    """Contracts grouped by op.  Per op: each contract with whether it applies here and why
+    (``explain``), then, when several apply (a version is unknown, or a chip-specific table
+    adds to a version table), the strictest merge that is actually enforced."""
     from . import _registry, _versions
     from .errors import OpContractsError
 
@@ -49,35 +111,60 @@ def _cmd_list(ns: argparse.Namespace) -> int:
         print(f"opcontracts: {exc}", file=sys.stderr)
         return 2
     env = _versions.current()
-    contracts = sorted(_registry.all_contracts(), key=lambda c: (c.op, c.file or ""))
-    shown = 0
-    for c in contracts:
-        ok = _versions.applies(c.when, env)
-        if ok is False and not ns.all:
+    contracts = _registry.all_contracts()
+    by_op: dict[str, list[Contract]] = {}
+    for c in sorted(contracts, key=lambda c: (c.op, c.file or "")):
+        by_op.setdefault(c.op, []).append(c)
+    verdicts_by_op = {op: [(c, _versions.applies(c.when, env)) for c in lst]
+                      for op, lst in by_op.items()}
+    print(f"environment: {_env_line(env)}")
+    if any(ok is None for v in verdicts_by_op.values() for _, ok in v):
+        print("  a version some contracts need is unknown: those contracts may apply and are "
+              "merged into the strictest reading (see `opcontracts env`)")
+    print()
+    shown = hidden = 0
+    for op, verdicts in verdicts_by_op.items():
+        visible = [(c, ok) for c, ok in verdicts if ns.all or ok is not False]
+        hidden += len(verdicts) - len(visible)
+        if not visible:
             continue
-        shown += 1
-        status = {True: "applies", None: "applies (version unknown: strictest reading)",
-                  False: "does not apply: " + _versions.explain(c.when, env)}[ok]
-        print(f"{c.op}  [{status}]")
-        if c.when is not None:
-            w = ", ".join(f"{k} {v}" for k, v in c.when.model_dump().items() if v)
-            print(f"  when:    {w}")
-        print(f"  targets: {', '.join(c.targets) or '-'}")
-        for name, a in c.args.items():
-            print(f"  {name}: {_rules(a)}")
-        print(f"  source:  {c.source or '-'}")
+        print(op)
+        for c, ok in visible:
+            shown += 1
+            why = _versions.explain(c.when, env)
+            status = {True: "applies", None: "may apply", False: "does not apply"}[ok]
+            if c.when is not None:
+                status += f": {why}"
+            _print_contract(c, status)
+        applying = [c for c, ok in verdicts if ok is not False]
+        if len(applying) > 1:
+            merged = _registry.resolve(op)
+            if merged is not None:
+                print(f"  => enforced: the strictest merge of these {len(applying)} contracts")
+                width = max((len(n) for n in merged.args), default=0)
+                for name, a in merged.args.items():
+                    print(f"       {name:<{width}}  {_rules(a)}")
         print()
-    print(f"{shown} contract(s) shown, {len(contracts)} loaded"
-          + ("" if ns.all else " (use --all to see those that do not apply)"))
+    tail = f"{shown} contract(s) shown for {len(by_op)} op(s), {len(contracts)} loaded"
+    if hidden and not ns.all:
+        tail += f"; {hidden} do not apply here (--all shows them and why)"
+    print(tail)
     return 0
 
 
 def _cmd_env(ns: argparse.Namespace) -> int:
+    """The versions that decide which contracts apply, and where each was found, so a wrong
+    guess (a stand-in, a stale ``ASCEND_TOOLKIT_HOME``) is visible."""
     from . import _versions
 
-    env = _versions.current()
-    for k, v in _versions.describe(env).items():
-        print(f"{k:10s} {v}")
+    rows = _versions.rows(_versions.current())
+    w0 = max(len(r[0]) for r in rows)
+    w1 = max(len(r[1]) for r in rows)
+    for name, value, origin in rows:
+        print(f"{name:<{w0}}  {value:<{w1}}  {origin}")
+    print()
+    print("Overrides: OPCONTRACTS_TORCH_NPU_VERSION, OPCONTRACTS_CANN_VERSION, "
+          "OPCONTRACTS_MINDSPEED_VERSION, OPCONTRACTS_SOC, or opcontracts.set_versions(...).")
     return 0
 
 
@@ -96,7 +183,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
-    return int(ns.func(ns))
+    try:
+        return int(ns.func(ns))
+    except BrokenPipeError:  # `opcontracts list | head`: the reader left, nothing to report
+        import os
+
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -56,8 +56,10 @@ def _check_bound(v: Any) -> Any:
 
 
 class _Frozen(BaseModel):
+    # defer_build: the validators are built on first use, not at import (import time matters:
+    # `import opcontracts.patch` sits at the top of training scripts)
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True,
-                              arbitrary_types_allowed=True)
+                              arbitrary_types_allowed=True, defer_build=True)
 
 
 class ValueRule(_Frozen):

@@ -1,0 +1,750 @@
+"""The shipped contract packs, exercised through the CPU emulation of the NPU ops.
+
+For every shipped contract (every ``when`` variant): a call that conforms to it passes in
+strict mode through each of its targets and returns what the reference kernel returns; every
+tensor argument in a wrong dtype or rank is reported naming that argument; and the documented
+violations (broken ``N*K``, index widths, duplicate sorted_indices, group_list sums, ...) are
+caught.  The last tests show why: unchecked, the emulated bf16-only kernel misreads fp32 probs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import redirect_stdout
+from typing import Any
+
+import pytest
+import torch
+
+import opcontracts
+from opcontracts import Contract, ContractViolation, _registry, _versions
+from opcontracts._dtypes import parse_dtype
+from opcontracts._shapes import parse_shape
+from opcontracts.spec import load_contracts
+
+emulation = pytest.importorskip("opcontracts.emulation")
+from opcontracts.emulation import _kernels  # noqa: E402  (reference kernels, no dtype misreading)
+
+SHIPPED = load_contracts(_registry.shipped_contracts_dir())
+N, K, H, E = 4, 2, 8, 4
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def _cid(c: Contract) -> str:
+    when = ""
+    if c.when is not None:
+        when = "[" + ",".join(f"{k}{v}" for k, v in c.when.model_dump().items() if v) + "]"
+    return c.op + when
+
+
+# --------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def emu() -> Iterator[Any]:
+    """The emulation with its stand-in modules, for the whole module; removed afterwards.
+
+    ``import opcontracts.patch`` (imported by another test module at collection) guards every
+    target process-wide with the contracts resolved for this environment; these tests guard
+    targets with one contract at a time, so the patch is lifted meanwhile and re-applied."""
+    patch = sys.modules.get("opcontracts.patch")
+    patched = patch is not None and patch.is_applied()
+    if patched:
+        patch.unpatch()
+    was = emulation.installed()
+    emulation.install("narrow")
+    torch_npu = importlib.import_module("torch_npu")
+    try:
+        yield torch_npu
+    finally:
+        if not was:
+            emulation.uninstall()
+        _versions.refresh()
+        if patched:
+            patch.apply()
+
+
+@pytest.fixture(autouse=True)
+def restore_globals() -> Iterator[None]:
+    """Registry, version pins and value checks are put back as they were; the shipped packs
+    are registered for the test (whatever an earlier test unregistered)."""
+    before, loaded = _registry.all_contracts(), _registry._shipped_loaded
+    pins = _versions.set_versions()  # no change: just the current pins
+    values = opcontracts.set_value_checks(False)
+    _registry.register(SHIPPED, replace=True)
+    try:
+        yield
+    finally:
+        opcontracts.set_value_checks(values)
+        _versions.set_versions(**pins)
+        _registry.clear()
+        _registry.register(before, replace=True)
+        _registry._shipped_loaded = loaded
+
+
+def _profile_for(c: Contract) -> str:
+    """The kernel profile a contract speaks for: the wide kernels when it needs CANN >= 8.0.0."""
+    return "wide" if c.when is not None and c.when.cann and ">=" in c.when.cann else "narrow"
+
+
+# --------------------------------------------------------------------------- conforming calls
+def _pick(c: Contract, arg: str, default: torch.dtype) -> torch.dtype:
+    """The dtype a conforming call uses for ``arg``: fp32 where the contract allows it (the
+    interesting case of the wide tables), else its first dtype."""
+    a = c.args.get(arg)
+    if a is None or a.dtype is None:
+        return default
+    names = list(a.dtype)
+    if default.is_floating_point and "float32" in names:
+        return FP32
+    return parse_dtype(names[0])
+
+
+def _g() -> torch.Generator:
+    return torch.Generator().manual_seed(0)
+
+
+def _randn(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(*shape, generator=_g()).to(dtype)
+
+
+def _experts(n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """(n, k) distinct expert ids per row, in [0, E)."""
+    return torch.stack([torch.randperm(E, generator=_g())[:k] for _ in range(n)]).to(dtype)
+
+
+def _routing_map(dtype: torch.dtype) -> torch.Tensor:
+    m = torch.zeros(N, E, dtype=torch.bool)
+    m.scatter_(1, _experts(N, K, torch.int64), True)
+    return m.to(dtype)
+
+
+Call = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+def _permute(c: Contract) -> Call:
+    return (_randn(N, H, dtype=_pick(c, "tokens", BF16)),
+            _experts(N, K, _pick(c, "indices", torch.int64))), {}
+
+
+def _permute_grad(c: Contract) -> Call:
+    ft = _pick(c, "tokens", BF16)
+    return (_randn(N, H, dtype=ft), _randn(N * K, H, dtype=ft),
+            _experts(N, K, _pick(c, "indices", torch.int64)),
+            torch.randperm(N * K, generator=_g()).to(torch.int32)), {}
+
+
+def _unpermute(c: Contract) -> Call:
+    return (_randn(N * K, H, dtype=_pick(c, "permuted_tokens", BF16)),
+            torch.randperm(N * K, generator=_g()).to(torch.int32)), \
+        {"probs": torch.rand(N, K, generator=_g()).to(_pick(c, "probs", BF16))}
+
+
+def _unpermute_grad(c: Contract) -> Call:
+    ft = _pick(c, "permuted_tokens", BF16)
+    return (_randn(N * K, H, dtype=ft), _randn(N, H, dtype=ft),
+            torch.randperm(N * K, generator=_g()).to(torch.int32)), \
+        {"probs": torch.rand(N, K, generator=_g()).to(_pick(c, "probs", BF16))}
+
+
+def _permute_routing(c: Contract) -> Call:
+    # bf16 tokens with fp32 probs: the one mixed pair the routing-map ops allow
+    return (_randn(N, H, dtype=BF16), _routing_map(torch.int8)), \
+        {"probs": torch.rand(N, E, generator=_g()), "num_out_tokens": N * K}
+
+
+def _unpermute_routing(c: Contract) -> Call:
+    rmap = _routing_map(torch.int8)
+    probs = torch.rand(N, E, generator=_g())
+    permuted, _, sorted_indices = _kernels.npu_moe_token_permute_with_routing_map(
+        _randn(N, H, dtype=BF16), rmap, probs=probs, num_out_tokens=N * K)
+    return (permuted, sorted_indices, [N, H]), {"probs": probs, "routing_map": rmap}
+
+
+def _init_routing(c: Contract) -> Call:
+    row_idx = torch.arange(N * K, dtype=torch.int32).view(K, N).t().contiguous()
+    return (_randn(N, H, dtype=_pick(c, "x", BF16)), row_idx, _experts(N, K, torch.int32), N), {}
+
+
+def _finalize_routing(c: Contract) -> Call:
+    ft = _pick(c, "expanded_permuted_rows", BF16)
+    return (_randn(N * K, H, dtype=ft), _randn(N, H, dtype=ft), None, _randn(E, H, dtype=ft),
+            torch.rand(N, K, generator=_g()).to(ft),
+            torch.randperm(N * K, generator=_g()).to(torch.int32),
+            _experts(N, K, torch.int32)), {"drop_pad_mode": 0}
+
+
+def _gating(c: Contract) -> Call:
+    return (_randn(N, E, dtype=_pick(c, "x", BF16)),), {"k": K}
+
+
+def _expert_tokens(c: Contract) -> Call:
+    ids = torch.sort(torch.randint(0, E, (N * K,), generator=_g())).values.to(torch.int32)
+    return (ids, E), {}
+
+
+def _grouped_matmul(c: Contract) -> Call:
+    ft = _pick(c, "x", BF16)
+    return ([_randn(6, H, dtype=ft)], [_randn(3, H, 5, dtype=ft)]), {
+        "group_list": torch.tensor([2, 5, 6]), "split_item": 3, "group_type": 0,
+        "group_list_type": 0}
+
+
+def _rms_norm(c: Contract) -> Call:
+    ft = _pick(c, "self", BF16)
+    return (_randn(N, H, dtype=ft), _randn(H, dtype=ft)), {}
+
+
+def _swiglu(c: Contract) -> Call:
+    return (_randn(N, 2 * H, dtype=_pick(c, "self", BF16)),), {}
+
+
+def _rotary_mul(c: Contract) -> Call:
+    ft = _pick(c, "self", BF16)
+    return (_randn(1, 4, 2, H, dtype=ft), _randn(1, 4, 1, H, dtype=ft),
+            _randn(1, 4, 1, H, dtype=ft)), {}
+
+
+def _fusion_attention(c: Contract) -> Call:
+    ft = _pick(c, "query", BF16)
+    q, k, v = (_randn(1, 4, 16, dtype=ft) for _ in range(3))
+    return (q, k, v, 2, "BSH"), {"scale": 0.25}
+
+
+def _gmm(c: Contract) -> Call:
+    ft = _pick(c, "x", BF16)
+    return (_randn(6, H, dtype=ft), _randn(3, H, 5, dtype=ft)), {"group_list": [2, 5, 6]}
+
+
+def _gmm_v2(c: Contract) -> Call:
+    ft = _pick(c, "x", BF16)
+    return (_randn(6, H, dtype=ft), _randn(3, H, 5, dtype=ft)), \
+        {"group_list": torch.tensor([2, 3, 1])}
+
+
+def _rope(c: Contract) -> Call:
+    ft = _pick(c, "x", BF16)
+    return (_randn(1, 4, 2, H, dtype=ft), _randn(1, 4, 1, H, dtype=ft),
+            _randn(1, 4, 1, H, dtype=ft)), {"mode": 0}
+
+
+def _ring(c: Contract) -> Call:
+    ft = _pick(c, "prev_attn_out", BF16)
+    s, b, n = 4, 1, 2
+    stats = [torch.rand(b, n, s, 8, generator=_g()) + 0.5 for _ in range(4)]
+    return (_randn(s, b, H, dtype=ft), stats[0], stats[1], _randn(s, b, H, dtype=ft),
+            stats[2], stats[3]), {}
+
+
+def _ring_reference(prev_out: torch.Tensor, prev_max: torch.Tensor, prev_sum: torch.Tensor,
+                    cur_out: torch.Tensor, cur_max: torch.Tensor, cur_sum: torch.Tensor,
+                    **_: Any) -> tuple[torch.Tensor, ...]:
+    """MindSpeed docs/ops/npu_ring_attention_update.md's forward_update, SBH layout."""
+    m = torch.maximum(prev_max, cur_max)
+    ps, cs = prev_sum * torch.exp(prev_max - m), cur_sum * torch.exp(cur_max - m)
+    total = ps + cs
+    s, b, h = prev_out.shape
+    n = prev_max.shape[1]
+
+    def spread(w: torch.Tensor) -> torch.Tensor:  # (b, n, s, 8) -> (s, b, n*d)
+        w = w[..., 0].unsqueeze(3).repeat(1, 1, 1, h // n)
+        return w.permute(2, 0, 1, 3).reshape(s, b, h)
+
+    out = prev_out.float() * spread(ps / total) + cur_out.float() * spread(cs / total)
+    return out.to(prev_out.dtype), m, total
+
+
+def _gmm_reference(group_list_type: int) -> Callable[..., torch.Tensor]:
+    def ref(x: torch.Tensor, weight: torch.Tensor, *, group_list: Any, **_: Any) -> torch.Tensor:
+        gl = group_list if isinstance(group_list, torch.Tensor) else torch.tensor(group_list)
+        return _kernels.npu_grouped_matmul([x], [weight], group_list=gl, split_item=3,
+                                           group_type=0, group_list_type=group_list_type)[0]
+    return ref
+
+
+BUILDERS: dict[str, Callable[[Contract], Call]] = {
+    "npu_moe_token_permute": _permute,
+    "npu_moe_token_permute_grad": _permute_grad,
+    "npu_moe_token_unpermute": _unpermute,
+    "npu_moe_token_unpermute_grad": _unpermute_grad,
+    "npu_moe_token_permute_with_routing_map": _permute_routing,
+    "npu_moe_token_unpermute_with_routing_map": _unpermute_routing,
+    "npu_moe_init_routing": _init_routing,
+    "npu_moe_finalize_routing": _finalize_routing,
+    "npu_moe_gating_top_k_softmax": _gating,
+    "npu_moe_compute_expert_tokens": _expert_tokens,
+    "npu_grouped_matmul": _grouped_matmul,
+    "npu_rms_norm": _rms_norm,
+    "npu_swiglu": _swiglu,
+    "npu_rotary_mul": _rotary_mul,
+    "npu_fusion_attention": _fusion_attention,
+    "mindspeed.npu_moe_token_unpermute": _unpermute,
+    "mindspeed.npu_moe_token_permute": _permute,
+    "mindspeed.npu_gmm": _gmm,
+    "mindspeed.npu_gmm_v2": _gmm_v2,
+    "mindspeed.npu_rotary_position_embedding": _rope,
+    "mindspeed.npu_ring_attention_update": _ring,
+}
+
+REFERENCES: dict[str, Callable[..., Any]] = {
+    "mindspeed.npu_moe_token_unpermute": _kernels.npu_moe_token_unpermute,
+    "mindspeed.npu_moe_token_permute": _kernels.npu_moe_token_permute,
+    "mindspeed.npu_gmm": _gmm_reference(0),
+    "mindspeed.npu_gmm_v2": _gmm_reference(1),
+    "mindspeed.npu_rotary_position_embedding":
+        lambda x, cos, sin, mode=0: _kernels.npu_rotary_mul(x, cos, sin, "half"),
+    "mindspeed.npu_ring_attention_update": _ring_reference,
+}
+
+
+def _reference(op: str) -> Callable[..., Any]:
+    return REFERENCES.get(op) or getattr(_kernels, op)
+
+
+def _resolve_target(path: str) -> Any:
+    if path.startswith("torch.ops."):
+        obj: Any = torch.ops
+        for part in path.split(".")[2:]:
+            obj = getattr(obj, part)
+        return obj
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def test_every_shipped_file_loads_and_every_op_has_a_case() -> None:
+    folder = _registry.shipped_contracts_dir()
+    files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*.toml"))
+    assert any(f.startswith("torch_npu/") for f in files)
+    assert any(f.startswith("mindspeed/") for f in files)
+    for f in files:
+        assert load_contracts(folder / f), f
+    assert {c.op for c in SHIPPED} == set(BUILDERS)
+    for c in SHIPPED:
+        # package and version, then the file or doc: "torch_npu 2.13.0 wheel, torch_npu/..."
+        assert re.match(r"(torch_npu \d+\.\d+\.\d+|CANN \d+\.\d+\.\w+|MindSpeed master)",
+                        c.source or ""), c.source
+        assert "/" in (c.source or ""), c.source
+        assert c.targets, c.op
+        assert c.signature is not None and c.doc, c.op
+        if c.op.startswith("mindspeed."):
+            assert all(t.startswith("mindspeed.ops.") for t in c.targets)
+        else:
+            assert set(c.targets) == {f"torch_npu.{c.op}", f"torch.ops.npu.{c.op}"}
+
+
+def test_versioned_ops_have_their_variants() -> None:
+    whens: dict[str, list[Any]] = {}
+    for c in SHIPPED:
+        whens.setdefault(c.op, []).append(c.when)
+    for op in ("npu_moe_token_permute", "npu_moe_token_unpermute",
+               "npu_moe_token_permute_grad", "npu_moe_token_unpermute_grad"):
+        cann = {w.cann for w in whens[op] if w is not None}
+        assert {">=8.0.0", "<8.0.0"} <= cann, op
+
+
+@pytest.mark.parametrize("contract", SHIPPED, ids=_cid)
+def test_conforming_call_passes_strict_and_matches_reference(emu: Any, contract: Contract) -> None:
+    emulation.install(_profile_for(contract))
+    args, kwargs = BUILDERS[contract.op](contract)
+    opcontracts.check(contract, *args, **kwargs)
+    expected = _reference(contract.op)(*args, **kwargs)
+    with opcontracts.mode("strict"):
+        for target in contract.targets:
+            guarded = opcontracts.enforce(contract)(_resolve_target(target))
+            torch.testing.assert_close(guarded(*args, **kwargs), expected, msg=target)
+
+
+def test_resolved_contracts_accept_conforming_calls_by_op_name(emu: Any) -> None:
+    """Through the registry (``enforce(op_name)``), with versions pinned to the wide tables."""
+    emulation.install("wide")
+    opcontracts.set_versions(torch_npu="2.13.0", cann="8.0.0", soc="Ascend910B3")
+    with opcontracts.mode("strict"):
+        for op, build in BUILDERS.items():
+            resolved = _registry.get_contract(op)
+            args, kwargs = build(resolved)
+            target = _resolve_target(resolved.targets[0])
+            opcontracts.enforce(op)(target)(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------- generic violations
+def _wrong_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.is_floating_point() else torch.int16
+
+
+# Conforming values for optional arguments the builders leave out (the emulated kernels do
+# not need them), so the generic violation tests reach every argument.
+EXTRAS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "mindspeed.npu_gmm": lambda b: {"bias": torch.zeros(3, 5, dtype=FP32)},
+    "mindspeed.npu_gmm_v2": lambda b: {"bias": torch.zeros(3, 5, dtype=FP32)},
+    "mindspeed.npu_ring_attention_update": lambda b: {
+        "actual_seq_qlen": torch.tensor([1, 3, 4])},
+    "npu_fusion_attention": lambda b: {
+        "pse": torch.zeros(1, 2, 4, 4, dtype=b["query"].dtype),
+        "atten_mask": torch.zeros(4, 4, dtype=torch.bool)},
+    "npu_moe_gating_top_k_softmax": lambda b: {"finished": torch.zeros(N, dtype=torch.bool)},
+    "npu_moe_finalize_routing": lambda b: {"skip2": torch.zeros_like(b["skip1"])},
+}
+
+
+def _bind(contract: Contract, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The builder's call as {name: value}, with every optional argument filled in."""
+    names = contract.signature or tuple(contract.args)
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    extra = EXTRAS.get(contract.op)
+    if extra is not None:
+        for k, v in extra(bound).items():
+            if k in contract.args and bound.get(k) is None:
+                bound[k] = v
+    opcontracts.check(contract, **bound)  # still a conforming call
+    return bound
+
+
+def _split(contract: Contract, bound: dict[str, Any]) -> Call:
+    names = contract.signature or tuple(contract.args)
+    return (), {n: bound[n] for n in names if n in bound}
+
+
+def _tensor_cases(kind: str) -> list[Any]:
+    out = []
+    for c in SHIPPED:
+        for name, a in c.args.items():
+            if not a.is_tensor:
+                continue
+            if kind == "dtype" and a.dtype is None:
+                continue
+            if kind == "rank" and not (a.rank or (a.shape and not any(
+                    parse_shape(s).has_ellipsis for s in a.shape))):
+                continue
+            out.append(pytest.param(c, name, id=f"{_cid(c)}:{name}"))
+    return out
+
+
+def _partners(contract: Contract, name: str) -> set[str]:
+    """Arguments whose rules mention ``name`` (they may report the mismatch first)."""
+    return {name} | {n for n, a in contract.args.items()
+                     if name in (a.same_dtype_as, a.same_shape_as)}
+
+
+@pytest.mark.parametrize(("contract", "name"), _tensor_cases("dtype"))
+def test_wrong_dtype_is_reported_naming_the_argument(contract: Contract, name: str) -> None:
+    args, kwargs = BUILDERS[contract.op](contract)
+    bound = _bind(contract, args, kwargs)
+    value = bound[name]
+    if contract.args[name].tensor_list:
+        bound[name] = [value[0].to(_wrong_dtype(value[0])), *value[1:]]
+        expected_arg = f"{name}[0]"
+    else:
+        if not isinstance(value, torch.Tensor):  # an int list accepted in place of a tensor
+            value = torch.tensor(value)
+        bound[name] = value.to(_wrong_dtype(value))
+        expected_arg = name
+    a, kw = _split(contract, bound)
+    with pytest.raises(ContractViolation) as info:
+        opcontracts.check(contract, *a, **kw)
+    assert info.value.arg == expected_arg
+    assert info.value.rule in ("dtype", "same_dtype")
+    assert f"argument '{expected_arg}'" in str(info.value)
+
+
+@pytest.mark.parametrize(("contract", "name"), _tensor_cases("rank"))
+def test_wrong_rank_is_reported_naming_the_argument(contract: Contract, name: str) -> None:
+    args, kwargs = BUILDERS[contract.op](contract)
+    bound = _bind(contract, args, kwargs)
+    value = bound[name]
+    a = contract.args[name]
+    allowed = set(a.rank or ()) | {parse_shape(s).fixed_rank for s in a.shape or ()}
+    if not isinstance(value, torch.Tensor):
+        value = torch.tensor(value)
+    bad = value
+    while bad.dim() in allowed:
+        bad = bad.unsqueeze(0)
+    bound[name] = bad
+    args2, kw = _split(contract, bound)
+    with pytest.raises(ContractViolation) as info:
+        opcontracts.check(contract, *args2, **kw)
+    assert info.value.arg in _partners(contract, name)
+    assert info.value.rule in ("rank", "shape", "same_shape")
+    assert f"argument '{info.value.arg}'" in str(info.value)
+
+
+# --------------------------------------------------------------------------- documented violations
+def _only(op: str, **when: str) -> Contract:
+    """The shipped contract for ``op`` whose ``when`` has exactly these conditions."""
+    found = [c for c in SHIPPED if c.op == op
+             and (c.when.model_dump(exclude_none=True) if c.when else {}) == when]
+    assert len(found) == 1, (op, when)
+    return found[0]
+
+
+UNPERMUTE_WIDE = _only("npu_moe_token_unpermute", torch_npu=">=2.13", cann=">=8.0.0")
+UNPERMUTE_OLD = _only("npu_moe_token_unpermute", cann="<8.0.0")
+
+
+def _violation(contract: Contract | str, *args: Any, **kwargs: Any) -> ContractViolation:
+    with pytest.raises(ContractViolation) as info:
+        opcontracts.check(contract, *args, **kwargs)
+    return info.value
+
+
+def test_fp32_probs_allowed_by_new_docs_rejected_by_old() -> None:
+    pt = _randn(N * K, H, dtype=BF16)
+    si = torch.randperm(N * K).to(torch.int32)
+    probs = torch.rand(N, K)  # fp32, what Megatron's fp32 router hands over
+    opcontracts.check(UNPERMUTE_WIDE, pt, si, probs)
+    exc = _violation(UNPERMUTE_OLD, pt, si, probs)
+    assert (exc.arg, exc.rule) == ("probs", "dtype")
+    assert "bfloat16" in exc.expected and "float32" in exc.actual
+    assert "CANN 8.0.RC3" in (exc.source or "")
+
+
+def test_broken_n_times_k_relation() -> None:
+    pt = _randn(N * K + 1, H, dtype=BF16)
+    si = torch.randperm(N * K + 1).to(torch.int32)
+    exc = _violation(UNPERMUTE_OLD, pt, si, torch.rand(N, K).to(BF16))
+    assert exc.arg == "permuted_tokens" and exc.bindings == {"N": N, "K": K, "H": H}
+    assert "N*K" in exc.expected
+    exc = _violation(UNPERMUTE_OLD, _randn(N * K, H, dtype=BF16),
+                     torch.randperm(N * K - 1).to(torch.int32))
+    assert exc.arg == "sorted_indices" and exc.rule == "shape"
+
+
+def test_index_widths() -> None:
+    pt, probs = _randn(N * K, H, dtype=BF16), torch.rand(N, K).to(BF16)
+    exc = _violation(UNPERMUTE_WIDE, pt, torch.randperm(N * K), probs)  # int64
+    assert (exc.arg, exc.rule) == ("sorted_indices", "dtype") and "int32" in exc.expected
+    old_permute = _only("npu_moe_token_permute", cann="<8.0.0")
+    exc = _violation(old_permute, _randn(N, H, dtype=BF16), _experts(N, K, torch.int32))
+    assert (exc.arg, exc.rule) == ("indices", "dtype") and "int64" in exc.expected
+    wide_permute = _only("npu_moe_token_permute", torch_npu=">=2.13", cann=">=8.0.0")
+    opcontracts.check(wide_permute, _randn(N, H, dtype=BF16), _experts(N, K, torch.int32))
+
+
+def test_duplicate_sorted_indices_caught_only_with_value_checks() -> None:
+    pt, probs = _randn(N * K, H, dtype=BF16), torch.rand(N, K).to(BF16)
+    dup = torch.arange(N * K, dtype=torch.int32)
+    dup[1] = 0
+    opcontracts.check(UNPERMUTE_OLD, pt, dup, probs)  # values are not read by default
+    opcontracts.set_value_checks(True)
+    exc = _violation(UNPERMUTE_OLD, pt, dup, probs)
+    assert (exc.arg, exc.rule) == ("sorted_indices", "value")
+    assert "occurs more than once" in str(exc)
+
+
+def test_value_checks_from_environment_variable() -> None:
+    """OPCONTRACTS_VALUES=1 turns the value checks on for a process (read at import)."""
+    code = (
+        "import torch, opcontracts\n"
+        "from opcontracts import _registry\n"
+        "_registry.load_shipped()\n"
+        "opcontracts.set_versions(cann='8.0.RC3', torch_npu='2.13.0', soc='Ascend950')\n"
+        "si = torch.zeros(8, dtype=torch.int32)\n"
+        "pt = torch.zeros(8, 4, dtype=torch.bfloat16)\n"
+        "try:\n"
+        "    opcontracts.check('npu_moe_token_unpermute', pt, si)\n"
+        "except opcontracts.ContractViolation as e:\n"
+        "    print(e.arg, e.rule)\n"
+    )
+    env = {**os.environ, "OPCONTRACTS_VALUES": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.split() == ["sorted_indices", "value"]
+
+
+def test_padded_mode_and_k_bound_on_a2() -> None:
+    pt, si = _randn(N * K, H, dtype=BF16), torch.randperm(N * K).to(torch.int32)
+    exc = _violation(UNPERMUTE_WIDE, pt, si, None, True)
+    assert (exc.arg, exc.rule) == ("padded_mode", "allowed")
+    opcontracts.set_versions(torch_npu="2.13.0", cann="8.0.0", soc="Ascend910B2")
+    big_k = 513
+    exc = _violation("npu_moe_token_unpermute", _randn(big_k, H, dtype=BF16),
+                     torch.randperm(big_k).to(torch.int32), torch.rand(1, big_k))
+    assert exc.arg == "probs" and "K <= 512" in exc.expected
+    opcontracts.set_versions(soc="Ascend950")
+    opcontracts.check("npu_moe_token_unpermute", _randn(big_k, H, dtype=BF16),
+                      torch.randperm(big_k).to(torch.int32), torch.rand(1, big_k))
+
+
+@pytest.mark.parametrize(
+    ("tokens", "probs", "ok"),
+    [(BF16, FP32, True), (BF16, BF16, True), (FP16, FP16, True), (FP32, FP32, True),
+     (BF16, FP16, False), (FP16, FP32, False), (FP32, BF16, False)],
+)
+def test_routing_map_couples_probs_to_tokens(tokens: torch.dtype, probs: torch.dtype,
+                                             ok: bool) -> None:
+    args = (_randn(N, H, dtype=tokens), _routing_map(torch.bool))
+    p = torch.rand(N, E).to(probs)
+    if ok:
+        opcontracts.check("npu_moe_token_permute_with_routing_map", *args, probs=p)
+    else:
+        exc = _violation("npu_moe_token_permute_with_routing_map", *args, probs=p)
+        assert (exc.arg, exc.rule) == ("probs", "same_dtype")
+        assert "float32 when tokens is bfloat16" in exc.expected
+
+
+def test_gmm_group_list_values() -> None:
+    x, w = _randn(6, H, dtype=BF16), _randn(3, H, 5, dtype=BF16)
+    opcontracts.set_value_checks(True)
+    opcontracts.check("mindspeed.npu_gmm", x, w, group_list=[2, 5, 6])
+    opcontracts.check("mindspeed.npu_gmm", x, w, group_list=torch.tensor([2, 5, 6]))
+    exc = _violation("mindspeed.npu_gmm", x, w, group_list=[2, 5, 5])
+    assert (exc.arg, exc.rule) == ("group_list", "value") and "last value == M" in exc.expected
+    exc = _violation("mindspeed.npu_gmm", x, w, group_list=[2, 1, 6])
+    assert "decreases" in str(exc)
+    exc = _violation("mindspeed.npu_gmm", x, w, group_list=torch.tensor([2, 5, 6], dtype=torch.int32))
+    assert (exc.arg, exc.rule) == ("group_list", "dtype")
+    opcontracts.check("mindspeed.npu_gmm_v2", x, w, group_list=torch.tensor([2, 3, 1]))
+    exc = _violation("mindspeed.npu_gmm_v2", x, w, group_list=torch.tensor([2, 3, 2]))
+    assert exc.arg == "group_list" and "sums to 7" in str(exc)
+    exc = _violation("mindspeed.npu_gmm", x, w, group_list=[2, 5, 6], group_type=1)
+    assert exc.arg == "group_type"
+    exc = _violation("mindspeed.npu_gmm", _randn(6, 70000, dtype=BF16)[:, :65536], w,
+                     group_list=[2, 5, 6])
+    assert exc.arg == "x" and "Kx < 65536" in exc.expected
+
+
+def test_expert_bounds_and_counts() -> None:
+    c = _only("npu_moe_finalize_routing")
+    args, kwargs = _finalize_routing(c)
+    opcontracts.set_value_checks(True)
+    opcontracts.check(c, *args, **kwargs)
+    bad = list(args)
+    bad[6] = torch.full((N, K), E, dtype=torch.int32)  # expert id == E: out of range
+    exc = _violation(c, *bad, **kwargs)
+    assert exc.arg == "export_for_source_row" and "< E" in exc.expected
+    bad = list(args)
+    bad[1] = _randn(N, H, dtype=FP16)  # skip1 in another dtype than the rows
+    exc = _violation(c, *bad, **kwargs)
+    assert (exc.arg, exc.rule) == ("skip1", "same_dtype")
+    exc = _violation("npu_moe_compute_expert_tokens", torch.tensor([0, 2, 1], dtype=torch.int32), E)
+    assert exc.arg == "sorted_expert_for_source_row" and "decreases" in str(exc)
+    exc = _violation("npu_moe_compute_expert_tokens", torch.tensor([0], dtype=torch.int32), 2049)
+    assert (exc.arg, exc.rule) == ("num_expert", "bound")
+    exc = _violation("npu_moe_gating_top_k_softmax", _randn(N, E, dtype=BF16), None, E + 1)
+    assert (exc.arg, exc.rule) == ("k", "bound") and "E" in exc.expected
+
+
+def test_shape_bounds_and_evenness() -> None:
+    exc = _violation("npu_swiglu", _randn(N, 7, dtype=BF16))
+    assert exc.arg == "self" and "2*D" in exc.expected
+    exc = _violation("npu_rotary_mul", *(_randn(1, 2, 1, 896, dtype=BF16) for _ in range(3)))
+    assert exc.arg == "self" and "D < 896" in exc.expected
+    exc = _violation("mindspeed.npu_rotary_position_embedding",
+                     *(_randn(1, 2, 1, 9, dtype=BF16) for _ in range(3)))
+    assert exc.arg == "x" and exc.rule == "shape"
+    big = torch.zeros(1, dtype=BF16).expand(4096, 4096)  # 2**24 elements, no memory
+    exc = _violation("npu_moe_init_routing", big, torch.zeros(4096, 1, dtype=torch.int32),
+                     torch.zeros(4096, 1, dtype=torch.int32), 4096)
+    assert exc.arg == "x" and "fewer than 16777216" in exc.expected
+    exc = _violation("npu_grouped_matmul", [_randn(2, 2, dtype=BF16)] * 129,
+                     [_randn(2, 2, dtype=BF16)])
+    assert (exc.arg, exc.rule) == ("x", "list_len")
+    exc = _violation("npu_rms_norm", _randn(N, H, dtype=BF16), _randn(H, dtype=FP32))
+    assert (exc.arg, exc.rule) == ("gamma", "same_dtype")
+    q = _randn(1, 4, 16, dtype=BF16)
+    exc = _violation("npu_fusion_attention", q, q.to(FP16), q, 2, "BSH")
+    assert (exc.arg, exc.rule) == ("key", "same_dtype")
+    exc = _violation("npu_fusion_attention", q, q, q, 2, "BSH", atten_mask=torch.zeros(4, 4))
+    assert exc.arg == "atten_mask"
+    args, _ = _ring(_only("mindspeed.npu_ring_attention_update"))
+    bad = list(args)
+    bad[1] = bad[1].half()
+    exc = _violation("mindspeed.npu_ring_attention_update", *bad)
+    assert (exc.arg, exc.rule) == ("prev_softmax_max", "dtype")
+
+
+# --------------------------------------------------------------------------- why: unchecked calls
+def _unpermute_call() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (_randn(N * K, H, dtype=BF16), torch.randperm(N * K, generator=_g()).to(torch.int32),
+            torch.rand(N, K, generator=_g()) + 0.1)
+
+
+def test_unchecked_fp32_probs_give_wrong_results_on_the_default_profile(emu: Any) -> None:
+    """The incident: the bf16-only kernel reads fp32 probs' bytes as bf16.  Nothing raises;
+    the result is wrong.  The contract stops the call in strict mode and repairs it in fix."""
+    emulation.install()  # the default profile: bf16-only unpermute
+    pt, si, probs = _unpermute_call()
+    reference = _kernels.npu_moe_token_unpermute(pt, si, probs)
+    unchecked = emu.npu_moe_token_unpermute(pt, si, probs)
+    assert unchecked.dtype == reference.dtype and unchecked.shape == reference.shape
+    assert not torch.allclose(unchecked.float(), reference.float(), rtol=0.05, atol=0.05)
+    # what a bf16 caller gets is right: the kernel itself works
+    torch.testing.assert_close(emu.npu_moe_token_unpermute(pt, si, probs.to(BF16)),
+                               _kernels.npu_moe_token_unpermute(pt, si, probs.to(BF16)))
+    guarded = opcontracts.enforce(UNPERMUTE_OLD)(emu.npu_moe_token_unpermute)
+    with opcontracts.mode("strict"), pytest.raises(ContractViolation, match="'probs'"):
+        guarded(pt, si, probs)
+    with opcontracts.mode("fix"), pytest.warns(opcontracts.ContractFixWarning, match="probs"):
+        fixed = guarded(pt, si, probs)
+    torch.testing.assert_close(fixed, _kernels.npu_moe_token_unpermute(pt, si, probs.to(BF16)))
+
+
+def test_emulation_stand_in_is_detected_as_such(emu: Any) -> None:
+    env = _versions.current()
+    assert env.torch_npu == emu.__version__ == "2.13.0"
+    assert "torch_npu" in env.emulated and "emulation" in env.origin("torch_npu")
+
+
+# --------------------------------------------------------------------------- the CLI
+def _cli(*argv: str) -> str:
+    from opcontracts.cli import main
+
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        assert main(list(argv)) == 0
+    return buf.getvalue()
+
+
+def test_cli_list_shows_what_applies() -> None:
+    opcontracts.set_versions(torch_npu="2.13.0", cann="8.0.0", soc="Ascend950")
+    out = _cli("list")
+    assert out.startswith("environment: torch_npu 2.13.0")
+    assert "npu_moe_token_unpermute\n" in out and "mindspeed.npu_gmm\n" in out
+    assert "targets: torch_npu.npu_moe_token_unpermute, torch.ops.npu.npu_moe_token_unpermute" in out
+    assert "probs            bf16/fp16/fp32, (N K), optional" in out
+    assert "[applies: torch_npu 2.13.0 meets >=2.13; cann 8.0.0 meets >=8.0.0]" in out
+    assert "source:  torch_npu 2.13.0 wheel, torch_npu/_op_plugin_docs.py (npu_moe_token_unpermute)" in out
+    assert "does not apply" not in out
+    assert "(--all shows them and why)" in out
+
+
+def test_cli_list_all_explains_what_does_not_apply() -> None:
+    opcontracts.set_versions(torch_npu="2.13.0", cann="8.0.RC3", soc="Ascend950")
+    out = _cli("list", "--all")
+    assert "[does not apply: needs cann >=8.0.0, found 8.0.RC3 (= 8.0rc3)]" in out
+    assert "[does not apply: needs torch_npu <2.13, found 2.13.0]" in out
+    assert "[does not apply: needs soc Ascend910B or Ascend910_93, found Ascend950]" in out
+    assert "[applies: cann 8.0.RC3 (= 8.0rc3) meets <8.0.0]" in out
+    shown = out.count("\n  [")
+    assert f"{shown} contract(s) shown" in out and shown == len(SHIPPED)
+
+
+def test_cli_list_shows_the_strictest_merge_when_versions_are_unknown() -> None:
+    opcontracts.set_versions(torch_npu="unknown", cann="unknown", soc="unknown")
+    out = _cli("list")
+    assert "[may apply: cann unknown (needed for cann <8.0.0; set OPCONTRACTS_CANN_VERSION)]" in out
+    block = out.split("\nnpu_moe_token_unpermute\n")[1].split("\n\n")[0]
+    assert "=> enforced: the strictest merge of these 4 contracts" in block
+    merged = block.split("=> enforced")[1]
+    assert "probs            bf16, (N K), K <= 512, optional" in merged
+
+
+def test_cli_env_says_where_each_version_came_from() -> None:
+    opcontracts.set_versions(cann="8.0.RC3", soc="unknown")
+    out = _cli("env")
+    lines = {line.split()[0]: line for line in out.splitlines() if line.strip()}
+    assert "8.0.RC3 (= 8.0rc3)" in lines["cann"] and "set_versions()" in lines["cann"]
+    assert "unknown" in lines["soc"]
+    assert "torch.__version__" in lines["torch"] or "metadata" in lines["torch"]
+    assert "OPCONTRACTS_CANN_VERSION" in out
+
+
+def test_cli_env_marks_the_emulation(emu: Any) -> None:
+    opcontracts.set_versions(torch_npu=None)
+    out = _cli("env")
+    line = next(ln for ln in out.splitlines() if ln.startswith("torch_npu"))
+    assert "2.13.0" in line and "emulation" in line
