@@ -17,7 +17,7 @@ import itertools
 import linecache
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,7 +25,9 @@ from . import _values
 from ._dtypes import dtype_name, parse_dtype
 from ._shapes import Dim, ShapeSpec, parse_shape
 from .errors import ContractFileError
-from .spec import Arg, Contract
+
+if TYPE_CHECKING:  # the pydantic models are imported only when a contract is loaded
+    from .spec import Arg, Contract
 
 __all__ = ["Param", "Rule", "RawViolation", "CompiledContract", "compile_contract", "MISSING"]
 
@@ -76,7 +78,7 @@ class RawViolation:
     note: str | None = None   # extra text from value checks
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: torch.compile guards on it by id
 class CompiledContract:
     contract: Contract
     params: tuple[Param, ...]
@@ -95,6 +97,10 @@ class CompiledContract:
 
 _counter = itertools.count()
 BY_KEY: dict[int, CompiledContract] = {}
+# what code traced by torch.compile reads, by key: plain functions and strings (dynamo guards
+# them cheaply; a CompiledContract read from a dict would become a constant it cannot guard)
+FAST_BY_KEY: dict[int, Callable[..., Any]] = {}
+OP_BY_KEY: dict[int, str] = {}
 
 
 def _expected_dtypes(names: Sequence[str]) -> str:
@@ -522,6 +528,8 @@ def compile_contract(contract: Contract, params: Sequence[Param] | None = None) 
     careful.fast_source = quick.source_code
     careful.key = next(_counter)
     BY_KEY[careful.key] = careful
+    FAST_BY_KEY[careful.key] = quick.check
+    OP_BY_KEY[careful.key] = contract.op
     return careful
 
 

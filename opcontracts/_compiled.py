@@ -30,7 +30,7 @@ import torch
 
 from . import _modes
 from ._callsite import find_call_site
-from ._compile import BY_KEY, CompiledContract
+from ._compile import BY_KEY, FAST_BY_KEY, OP_BY_KEY
 from ._enforce import _fix_target, _partner_from, _record_and_message, _warn, violation_from_raw
 from .errors import ContractFixWarning, ContractViolation, ContractWarning
 
@@ -38,7 +38,6 @@ __all__ = ["call"]
 
 _counter = itertools.count()
 _pending: dict[int, ContractViolation] = {}
-_lazy: dict[str, Callable[..., Any]] = {}
 
 
 def _meta(v: Any) -> Any:
@@ -132,30 +131,41 @@ def _raise(token: int) -> None:
     raise _pending[token]
 
 
-def _lazy_fns() -> tuple[Callable[..., Any], Callable[..., Any]]:
-    if not _lazy:
-        import torch._dynamo
+def _build(token: int) -> int:
+    """Trace time: validate and compile a lazy guard's contract (plain Python, not traced)."""
+    from ._enforce import _FACTORIES
 
-        _lazy["decide"] = torch._dynamo.assume_constant_result(_decide)
-        _lazy["raise"] = torch.compiler.disable(_raise)
-    return _lazy["decide"], _lazy["raise"]
+    return _FACTORIES[token]().key
 
 
-def call(cc: CompiledContract, fn: Callable[..., Any], args: tuple[Any, ...],
+# Decorated at import (this module is imported only once torch.compile is tracing a guard):
+# applying dynamo's decorators inside traced code would itself be a graph break.
+import torch._dynamo  # noqa: E402
+
+_decide_c = torch._dynamo.assume_constant_result(_decide)
+_raise_c = torch.compiler.disable(_raise)
+_build_c = torch._dynamo.assume_constant_result(_build)
+
+
+def lazy(token: int) -> int:
+    """The key of a lazy guard's contract, built at trace time if no eager call built it."""
+    return _build_c(token)  # type: ignore[no-any-return]
+
+
+def call(key: int, fn: Callable[..., Any], args: tuple[Any, ...],
          kwargs: dict[str, Any]) -> Any:
+    """The traced guard: ``key`` names the compiled contract (see ``_compile.BY_KEY``)."""
     view = _modes.COMPILE_VIEW
-    op = cc.contract.op
+    op = OP_BY_KEY[key]
     m = view.by_op.get(op, view.default) if view.by_op else view.default
     if m is _modes.OFF:
         return fn(*args, **kwargs)
-    fast = cc.fast
-    if fast is not None and fast(*args, **kwargs) is True:
+    if FAST_BY_KEY[key](*args, **kwargs) is True:
         return fn(*args, **kwargs)
-    decide, raise_ = _lazy_fns()
-    plan = decide(cc.key, m.value, tuple(_meta(a) for a in args),
-                  tuple((k, _meta(v)) for k, v in kwargs.items()))
+    plan = _decide_c(key, m.value, tuple(_meta(a) for a in args),
+                     tuple((k, _meta(v)) for k, v in kwargs.items()))
     if plan[0] == "raise":
-        raise_(plan[1])
+        _raise_c(plan[1])
     elif plan[0] == "fix":
         new_args, new_kwargs = list(args), dict(kwargs)
         for step in plan[1]:

@@ -451,23 +451,59 @@ def _fix_and_call(raw: RawViolation | None, cc: CompiledContract, fn: Callable[.
 
 
 # --------------------------------------------------------------------------- the guard
-def make_guard(fn: Callable[..., Any], cc: CompiledContract, *, op: str | None = None
+_FACTORIES: list[Callable[[], CompiledContract]] = []
+
+
+def make_guard(fn: Callable[..., Any], cc: CompiledContract | None = None, *,
+               op: str | None = None, factory: Callable[[], CompiledContract] | None = None,
                ) -> Callable[..., Any]:
-    """Wrap ``fn`` so each call is checked against ``cc`` in the mode in effect."""
-    op = op or cc.contract.op
-    check = cc.check
-    fast = cc.fast or (lambda *a, **k: check(*a, **k) is None)
+    """Wrap ``fn`` so each call is checked against ``cc`` in the mode in effect.
+
+    With ``factory`` instead of ``cc`` (what the patch uses), the contract is validated and
+    compiled on the first call that needs a check: ``import opcontracts.patch`` then costs no
+    pydantic import and no code generation.  The first call swaps the real checker into the
+    closure, so later calls run exactly the code of an eagerly built guard.
+    """
+    if cc is None and factory is None:
+        raise TypeError("make_guard needs a compiled contract or a factory")
+    if op is None:
+        assert cc is not None
+        op = cc.contract.op
     get = _modes._ctx.get        # bound method: no attribute lookups per call
     modes = _modes
     OFF = _modes.OFF
     compiling = torch.compiler.is_compiling  # folded to True by dynamo, ~50 ns in eager
     violated = _violated
+    lock = threading.Lock()
+    token = -1
+    fast: Callable[..., Any]
+
+    def bootstrap(*args: Any, **kwargs: Any) -> Any:
+        nonlocal cc, fast
+        with lock:
+            if cc is None:
+                assert factory is not None
+                built = factory()
+                guarded.__opcontracts__ = built  # type: ignore[attr-defined]
+                fast = built.fast or _fast_from(built)
+                cc = built
+        return fast(*args, **kwargs)
+
+    if cc is not None:
+        fast = cc.fast or _fast_from(cc)
+    else:
+        fast = bootstrap
+        token = len(_FACTORIES)
+        _FACTORIES.append(lambda: _built(guarded, bootstrap))
 
     def guarded(*args: Any, **kwargs: Any) -> Any:
         if compiling():
             from . import _compiled  # imported only once something is being compiled
 
-            return _compiled.call(cc, fn, args, kwargs)
+            # read only what never changes: a lazy guard's `cc` cell is filled during tracing,
+            # which would invalidate dynamo's guard on it
+            key = _compiled.lazy(token) if token >= 0 else cc.key  # type: ignore[union-attr]
+            return _compiled.call(key, fn, args, kwargs)
         s = get()
         if s is None:
             s = modes._global_state
@@ -480,7 +516,7 @@ def make_guard(fn: Callable[..., Any], cc: CompiledContract, *, op: str | None =
             return fn(*args, **kwargs)
         if ok is True:
             return fn(*args, **kwargs)
-        return violated(m, cc, fn, args, kwargs)
+        return violated(m, cc, fn, args, kwargs)  # type: ignore[arg-type]  # built by now
 
     try:
         functools.update_wrapper(guarded, fn)
@@ -489,11 +525,44 @@ def make_guard(fn: Callable[..., Any], cc: CompiledContract, *, op: str | None =
     if not hasattr(guarded, "__wrapped__"):
         guarded.__wrapped__ = fn  # type: ignore[attr-defined]
     if isinstance(fn, (torch._ops.OpOverloadPacket, torch._ops.OpOverload)):
-        guarded.__name__ = getattr(fn, "__name__", cc.contract.op)
+        guarded.__name__ = getattr(fn, "__name__", op)
         guarded.__qualname__ = guarded.__name__
-        guarded.__signature__ = _inspect_signature(cc.params)  # type: ignore[attr-defined]
-    guarded.__opcontracts__ = cc  # type: ignore[attr-defined]
+        params = params_of(fn)
+        if params is not None:
+            guarded.__signature__ = _inspect_signature(params)  # type: ignore[attr-defined]
+    if cc is not None:
+        guarded.__opcontracts__ = cc  # type: ignore[attr-defined]
+    else:
+        guarded.__opcontracts_build__ = _FACTORIES[token]  # type: ignore[attr-defined]
+    guarded.__opcontracts_op__ = op  # type: ignore[attr-defined]
     return guarded
+
+
+def _fast_from(cc: CompiledContract) -> Callable[..., Any]:
+    check = cc.check
+    return lambda *a, **k: check(*a, **k) is None
+
+
+def _built(guarded: Callable[..., Any], bootstrap: Callable[..., Any]) -> CompiledContract:
+    """The compiled contract of a lazy guard, building it if no call has yet."""
+    cc = getattr(guarded, "__opcontracts__", None)
+    if cc is None:
+        try:
+            bootstrap()
+        except TypeError:  # the checker ran with no arguments; the contract is built anyway
+            pass
+        cc = guarded.__opcontracts__  # type: ignore[attr-defined]
+    return cc  # type: ignore[no-any-return]
+
+
+def compiled_of(guard: Callable[..., Any]) -> CompiledContract | None:
+    """The compiled contract behind a guard, building it for a lazy guard; None if ``guard``
+    is not one of ours."""
+    cc = getattr(guard, "__opcontracts__", None)
+    if cc is None:
+        build = getattr(guard, "__opcontracts_build__", None)
+        cc = build() if build is not None else None
+    return cc
 
 
 _compiled_cache: dict[tuple[int, tuple[Param, ...] | None], CompiledContract] = {}

@@ -32,8 +32,9 @@ from typing import Any
 
 import torch
 
+from . import _registry
+from ._compile import CompiledContract
 from ._enforce import compiled_for, make_guard, params_of
-from .spec import Contract
 
 __all__ = ["Patcher", "PatchRecord"]
 
@@ -141,23 +142,21 @@ class Patcher:
         self.records: list[PatchRecord] = []
         self.guards: dict[int, tuple[Any, Callable[..., Any]]] = {}  # id(original) -> (original, guard)
         self.guard_ids: set[int] = set()
-        self.pending: dict[str, Contract] = {}  # target path -> contract
+        self.pending: dict[str, str] = {}  # target path -> op name
         self.missing: dict[str, str] = {}  # target path -> why, reported once
         self.watched: frozenset[str] = frozenset()
         self.hook: _ImportHook | None = None
-        self.contracts: list[Contract] = []
         self.active = False
 
     # ------------------------------------------------------------------ public-ish
-    def apply(self, contracts: Iterable[Contract]) -> None:
+    def apply(self, targets: Iterable[tuple[str, Iterable[str]]]) -> None:
+        """Guard ``(op, targets)`` pairs; contracts are resolved by op name on first call."""
         with self.lock:
             self.active = True
-            for c in contracts:
-                if all(c is not old for old in self.contracts):
-                    self.contracts.append(c)
-                for t in c.targets:
+            for op, paths in targets:
+                for t in paths:
                     if not self._already_patched(t):
-                        self.pending[t] = c
+                        self.pending[t] = op
             self._retry_pending()
             self._install_hook()
 
@@ -170,7 +169,6 @@ class Patcher:
             self.guard_ids.clear()
             self.pending.clear()
             self.missing.clear()
-            self.contracts.clear()
             self.watched = frozenset()
             if self.hook is not None:
                 try:
@@ -211,14 +209,14 @@ class Patcher:
     def _retry_pending(self) -> None:
         done: list[str] = []
         new_originals: dict[int, tuple[Any, Callable[..., Any]]] = {}
-        for target, contract in list(self.pending.items()):
-            status = self._try_patch(target, contract, new_originals)
+        for target, op in list(self.pending.items()):
+            status = self._try_patch(target, op, new_originals)
             if status is None:
                 done.append(target)
                 self.missing.pop(target, None)
             elif status != "pending" and target not in self.missing:
                 self.missing[target] = status
-                log.debug("opcontracts: target %s of %s not found: %s", target, contract.op, status)
+                log.debug("opcontracts: target %s of %s not found: %s", target, op, status)
         for t in done:
             self.pending.pop(t, None)
         if new_originals:
@@ -242,7 +240,7 @@ class Patcher:
             return owner, parts[-1], modname
         return "pending"
 
-    def _try_patch(self, target: str, contract: Contract,
+    def _try_patch(self, target: str, op: str,
                    new_originals: dict[int, tuple[Any, Callable[..., Any]]]) -> str | None:
         res = self._resolve_owner(target)
         if isinstance(res, str):
@@ -267,28 +265,35 @@ class Patcher:
                 "__opcontracts_patched__", False):
             return None
         try:
-            guard, kind, to_set, orig_callable = self._make(owner, attr, raw, current, contract)
+            guard, kind, to_set, orig_callable = self._make(owner, attr, raw, current, op)
         except Exception as exc:  # a bad target must never break the job
             return f"cannot guard {target}: {exc}"
         if kind.startswith("autograd"):
             return None  # the class stays where it is; its apply was guarded in _make
         setattr(owner, attr, to_set)
-        self.records.append(PatchRecord(target, contract.op, kind, owner, attr, raw,
-                                        _owner_name(owner)))
+        self.records.append(PatchRecord(target, op, kind, owner, attr, raw, _owner_name(owner)))
         self.guard_ids.add(id(guard))
         if kind in ("function", "packet"):
             self.guards[id(orig_callable)] = (orig_callable, guard)
             new_originals[id(orig_callable)] = (orig_callable, guard)
         return None
 
-    def _guard_for(self, original: Any, contract: Contract, params_from: Any = None
-                   ) -> Callable[..., Any]:
+    def _guard_for(self, original: Any, op: str, params_from: Any = None,
+                   drop_first: bool = False) -> Callable[..., Any]:
         hit = self.guards.get(id(original))
         if hit is not None and hit[0] is original:
             return hit[1]
-        params = params_of(params_from if params_from is not None else original, contract)
-        cc = compiled_for(contract, params)
-        guard = make_guard(original, cc)
+        src = params_from if params_from is not None else original
+
+        def factory() -> CompiledContract:
+            # runs on the guard's first call: validate the contract, compile the checker
+            contract = _registry.get_contract(op)
+            params = params_of(src, contract)
+            if drop_first and params and params[0].name in ("ctx", "_ctx"):
+                params = params[1:]  # autograd.Function.forward(ctx, ...)
+            return compiled_for(contract, params)
+
+        guard = make_guard(original, op=op, factory=factory)
         guard.__opcontracts_patched__ = True  # type: ignore[attr-defined]
         if isinstance(original, torch._ops.OpOverloadPacket):
             # code that reaches through the packet (torch_npu.npu_x.default) keeps working
@@ -299,20 +304,13 @@ class Patcher:
             guard.__module__ = getattr(original, "__module__", None) or "torch.ops"
         return guard
 
-    def _make(self, owner: Any, attr: str, raw: Any, current: Any, contract: Contract
+    def _make(self, owner: Any, attr: str, raw: Any, current: Any, op: str
               ) -> tuple[Callable[..., Any], str, Any, Any]:
         if _is_autograd_function(current):
             fn_cls = current
             apply_raw = fn_cls.__dict__.get("apply", _MISSING)
-            bound_apply = fn_cls.apply
-            sig_src = fn_cls.forward
-            params = params_of(sig_src, contract)
-            if params and params[0].name in ("ctx", "_ctx"):
-                params = params[1:]
-            cc = compiled_for(contract, params)
-            guard = make_guard(bound_apply, cc)
-            guard.__opcontracts_patched__ = True  # type: ignore[attr-defined]
-            self.records.append(PatchRecord(f"{_owner_name(fn_cls)}.apply", contract.op,
+            guard = self._guard_for(fn_cls.apply, op, params_from=fn_cls.forward, drop_first=True)
+            self.records.append(PatchRecord(f"{_owner_name(fn_cls)}.apply", op,
                                             "autograd.Function", fn_cls, "apply", apply_raw,
                                             _owner_name(fn_cls)))
             self.guard_ids.add(id(guard))
@@ -321,21 +319,22 @@ class Patcher:
             return guard, "autograd.Function(apply)", current, current
         if isinstance(owner, type):
             if isinstance(raw, staticmethod):
-                guard = self._guard_for(raw.__func__, contract)
+                guard = self._guard_for(raw.__func__, op)
                 return guard, "staticmethod", staticmethod(guard), raw.__func__
             if isinstance(raw, classmethod):
                 func = raw.__func__
-                guard = self._guard_for(func, contract)
+                guard = self._guard_for(func, op)
                 return guard, "classmethod", classmethod(guard), func
             if raw is _MISSING:
                 raise TypeError(f"{attr} is inherited, not defined on {owner.__qualname__}")
-            guard = self._guard_for(raw, contract)
+            guard = self._guard_for(raw, op)
             return guard, "method", guard, raw
         if isinstance(current, torch._ops.OpOverloadPacket):
-            return self._guard_for(current, contract), "packet", self._guard_for(current, contract), current
+            guard = self._guard_for(current, op)
+            return guard, "packet", guard, current
         if not callable(current):
             raise TypeError(f"{attr} is a {type(current).__name__}, not callable")
-        guard = self._guard_for(current, contract)
+        guard = self._guard_for(current, op)
         return guard, "function", guard, current
 
     def _rebind_aliases(self, originals: dict[int, tuple[Any, Callable[..., Any]]]) -> None:
@@ -354,7 +353,7 @@ class Patcher:
                     continue
                 guard = hit[1]
                 d[name] = guard
-                self.records.append(PatchRecord(f"{modname}.{name}", guard.__opcontracts__.contract.op,  # type: ignore[attr-defined]
+                self.records.append(PatchRecord(f"{modname}.{name}", guard.__opcontracts_op__,  # type: ignore[attr-defined]
                                                 "alias", mod, name, value, modname))
 
     def patched_list(self) -> list[PatchRecord]:

@@ -8,13 +8,23 @@ unknown, their intersection (every rule of every candidate: the strictest readin
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from . import _versions
-from .errors import OpContractsError
-from .spec import Arg, Contract, load_contracts
+from .errors import ContractFileError, OpContractsError
+
+if TYPE_CHECKING:  # pydantic is imported when contracts are first validated, not at import
+    from .spec import Arg, Contract
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 __all__ = ["register", "unregister", "get_contract", "resolve", "all_contracts", "clear",
            "shipped_contracts_dir", "load_shipped", "UnknownOpError", "merge_contracts"]
@@ -45,6 +55,8 @@ def shipped_contracts_dir() -> Path:
 def register(contracts: Contract | Iterable[Contract], *, replace: bool = False) -> None:
     """Add contracts to the registry.  With ``replace``, contracts for the same op (and the
     same ``when``) are replaced instead of raising."""
+    from .spec import Contract
+
     items = [contracts] if isinstance(contracts, Contract) else list(contracts)
     with _lock:
         for c in items:
@@ -101,6 +113,9 @@ def resolve(op: str) -> Contract | None:
         if op in _resolved:
             return _resolved[op]
         lst = _by_op.get(op)
+        if not lst and not _shipped_loaded:
+            load_shipped()  # shipped packs are validated on first need
+            lst = _by_op.get(op)
         if not lst:
             raise UnknownOpError(f"no contract registered for op {op!r}")
         env = _versions.current()
@@ -119,6 +134,8 @@ def get_contract(op: str) -> Contract:
 
 
 def _merge_arg(a: Arg, b: Arg) -> Arg:
+    from .spec import Arg
+
     data = a.model_dump(by_alias=False)
     other = b.model_dump(by_alias=False)
     if a.dtype is not None and b.dtype is not None:
@@ -140,6 +157,8 @@ def _merge_arg(a: Arg, b: Arg) -> Arg:
 
 def merge_contracts(items: list[Contract]) -> Contract:
     """The strictest combination: intersected dtype sets, every other rule of every contract."""
+    from .spec import Contract
+
     first = items[0]
     args: dict[str, Arg] = {}
     for c in items:
@@ -168,5 +187,52 @@ def load_shipped() -> None:
     with _lock:
         if _shipped_loaded:
             return
+        from .spec import load_contracts
+
         register(load_contracts(shipped_contracts_dir()), replace=True)
         _shipped_loaded = True
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    """What the patch needs from a contract before it is validated: its op, targets and
+    ``when`` table, read with ``tomllib`` alone (no pydantic at ``import opcontracts.patch``)."""
+
+    op: str
+    targets: tuple[str, ...]
+    when: dict[str, Any] | None
+    file: str
+
+
+_index: list[IndexEntry] | None = None
+
+
+def shipped_index() -> list[IndexEntry]:
+    """The shipped contracts' ops, targets and ``when`` tables (validated later, on first use;
+    the test suite validates every shipped file)."""
+    global _index
+    with _lock:
+        if _index is None:
+            out: list[IndexEntry] = []
+            for f in sorted(shipped_contracts_dir().rglob("*.toml")):
+                try:
+                    data = tomllib.loads(f.read_text(encoding="utf-8"))
+                except (OSError, tomllib.TOMLDecodeError) as exc:
+                    raise ContractFileError(f"cannot read: {exc}", file=str(f)) from None
+                for t in data.get("contract", []):
+                    targets = t.get("targets", ())
+                    targets = (targets,) if isinstance(targets, str) else tuple(targets)
+                    out.append(IndexEntry(str(t.get("op")), targets, t.get("when"), str(f)))
+            _index = out
+        return list(_index)
+
+
+def applicable_targets() -> dict[str, tuple[str, ...]]:
+    """op -> targets of the shipped contracts that (may) apply here, from the index."""
+    env = _versions.current()
+    out: dict[str, tuple[str, ...]] = {}
+    for e in shipped_index():
+        if _versions.applies(e.when, env) is False:
+            continue
+        out[e.op] = tuple(dict.fromkeys(out.get(e.op, ()) + e.targets))
+    return out

@@ -7,12 +7,14 @@ item load is the cheapest flag a generated function can test without a global lo
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ._shapes import eval_dim, parse_shape
-from .spec import ValueRule
+
+if TYPE_CHECKING:
+    from .spec import ValueRule
 
 __all__ = ["ENABLED", "set_value_checks", "value_checks_enabled", "check_values", "describe"]
 

@@ -42,12 +42,13 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from .spec import When
+if TYPE_CHECKING:
+    from .spec import When
 
 __all__ = [
     "Env", "FIELDS", "current", "refresh", "applies", "explain", "describe", "rows", "set_versions",
@@ -191,11 +192,21 @@ def soc_matches(soc: str, names: Iterable[str]) -> bool:
 
 
 # --------------------------------------------------------------------------- when
-def _conditions(when: When) -> list[tuple[str, Any]]:
+def _conditions(when: When | dict[str, Any]) -> list[tuple[str, Any]]:
+    """The set conditions of a ``When`` model or of a raw ``when`` table from a file (the patch
+    reads shipped files without building pydantic models)."""
+    if isinstance(when, dict):
+        out = []
+        for name in FIELDS:
+            v = when.get(name)
+            if v is not None:
+                out.append((name, (v,) if name == "soc" and isinstance(v, str) else
+                            (tuple(v) if name == "soc" else str(v))))
+        return out
     return [(name, getattr(when, name)) for name in FIELDS if getattr(when, name) is not None]
 
 
-def applies(when: When | None, env: Env) -> bool | None:
+def applies(when: When | dict[str, Any] | None, env: Env) -> bool | None:
     """``True`` when every condition of ``when`` holds in ``env``, ``False`` when one fails,
     ``None`` when none fails but one needs a version (or chip) that is unknown.
 

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import typing
 from collections.abc import Callable
-from typing import Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from typing_extensions import ParamSpec
 
 from . import _registry
 from ._enforce import check_call, compiled_for, make_guard, params_of
 from .errors import ContractFileError
-from .spec import Arg, Contract
+
+if TYPE_CHECKING:
+    from .spec import Arg, Contract
 
 __all__ = ["enforce", "check"]
 
@@ -20,6 +22,8 @@ R = TypeVar("R")
 
 
 def _annotated_args(fn: Callable[..., Any]) -> dict[str, Arg]:
+    from .spec import Arg
+
     try:
         hints = typing.get_type_hints(fn, include_extras=True)
     except Exception:  # unresolved forward references: fall back to raw annotations
@@ -36,6 +40,8 @@ def _annotated_args(fn: Callable[..., Any]) -> dict[str, Arg]:
 
 
 def _contract_for(fn: Callable[..., Any], target: Contract | None) -> Contract:
+    from .spec import Contract
+
     annotated = _annotated_args(fn)
     if isinstance(target, Contract):
         base = target
@@ -67,6 +73,8 @@ def enforce(target: Any = None) -> Any:
     from ``Annotated[torch.Tensor, Arg(...)]`` parameter annotations.  The wrapper keeps the
     function's name, docstring and signature.
     """
+    from .spec import Contract
+
     if callable(target) and not isinstance(target, (str, Contract)):
         return enforce(None)(target)
     if isinstance(target, str):  # resolve now: an unknown op fails at decoration time
@@ -82,18 +90,14 @@ def enforce(target: Any = None) -> Any:
 
 
 def _lookup(op: str) -> Contract:
-    try:
-        return _registry.get_contract(op)
-    except _registry.UnknownOpError:
-        _registry.load_shipped()  # shipped packs are loaded on first need
-        return _registry.get_contract(op)
+    return _registry.get_contract(op)  # loads the shipped packs on a miss
 
 
 def check(op: str | Contract, /, *args: Any, **kwargs: Any) -> None:
     """Check a call of ``op`` without making it; raises ``ContractViolation`` if it would
     violate the contract, whatever the mode."""
     __tracebackhide__ = True
-    contract = op if isinstance(op, Contract) else _lookup(op)
+    contract = _lookup(op) if isinstance(op, str) else op
     check_call(compiled_for(contract), args, kwargs)
 
 

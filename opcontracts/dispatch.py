@@ -15,14 +15,16 @@ by ``benchmarks/bench_patch.py``).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _modes, _registry
 from ._compile import CompiledContract
 from ._enforce import _schema_params, _violated, compiled_for
-from .spec import Contract
+
+if TYPE_CHECKING:
+    from .spec import Contract
 
 __all__ = ["ContractDispatchMode"]
 

@@ -18,11 +18,14 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from . import _registry
 from ._patcher import Patcher, PatchRecord
 from .errors import OpContractsError
-from .spec import Contract, load_contracts
+
+if TYPE_CHECKING:
+    from .spec import Contract
 
 __all__ = ["apply", "unpatch", "patched", "missing", "is_applied", "PatchRecord"]
 
@@ -32,7 +35,12 @@ _patcher = Patcher()
 def _user_contracts() -> list[Contract]:
     raw = os.environ.get("OPCONTRACTS_CONTRACTS", "")
     out: list[Contract] = []
-    for part in filter(None, (p.strip() for p in raw.split(os.pathsep))):
+    parts = [p.strip() for p in raw.split(os.pathsep) if p.strip()]
+    if not parts:
+        return out
+    from .spec import load_contracts
+
+    for part in parts:
         try:
             out.extend(load_contracts(part))
         except OpContractsError as exc:
@@ -44,20 +52,24 @@ def _user_contracts() -> list[Contract]:
 def apply(contracts: Iterable[Contract] | None = None) -> list[PatchRecord]:
     """Wrap every target of the applicable contracts (shipped + ``OPCONTRACTS_CONTRACTS`` +
     ``contracts``).  Safe to call again: it wraps nothing twice and picks up targets that have
-    appeared since (ops registered later, modules imported later)."""
-    try:
-        _registry.load_shipped()
-    except OpContractsError as exc:  # pragma: no cover - a broken install
-        warnings.warn(f"opcontracts: shipped contracts: {exc}", RuntimeWarning, stacklevel=2)
+    appeared since (ops registered later, modules imported later).
+
+    Shipped contracts are read from their files' ``op``/``targets``/``when`` only; each is
+    validated and compiled on the first call of one of its targets, so the import stays cheap.
+    """
     extra = list(contracts or ()) + _user_contracts()
     if extra:
         _registry.register(extra, replace=True)
-    chosen: list[Contract] = []
-    for op in sorted({c.op for c in _registry.all_contracts()}):
-        c = _registry.resolve(op)
-        if c is not None and c.targets:
-            chosen.append(c)
-    _patcher.apply(chosen)
+    try:
+        targets = _registry.applicable_targets()
+    except OpContractsError as exc:  # pragma: no cover - a broken install
+        warnings.warn(f"opcontracts: shipped contracts: {exc}", RuntimeWarning, stacklevel=2)
+        targets = {}
+    for c in extra:
+        res = _registry.resolve(c.op)
+        if res is not None:
+            targets[c.op] = tuple(dict.fromkeys(targets.get(c.op, ()) + res.targets))
+    _patcher.apply(sorted(targets.items()))
     return patched()
 
 

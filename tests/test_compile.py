@@ -120,3 +120,39 @@ def test_mode_change_recompiles():
         g(X, W.float())  # off: no check, compiled without one
     with opcontracts.mode("strict"), pytest.raises(ContractViolation):
         g(X, W.float())
+
+
+@pytest.fixture
+def patched_emulation():
+    import opcontracts.patch as patch
+    from opcontracts import emulation
+
+    was = emulation.installed()
+    if not was:
+        emulation.install("wide")
+    patch.apply()
+    yield
+    patch.unpatch()
+    if not was:
+        emulation.uninstall()
+    patch.apply()  # back to the state `import opcontracts.patch` left
+
+
+def test_patched_op_first_called_under_compile(patched_emulation):
+    import torch_npu
+
+    tokens = torch.randn(8, 16).bfloat16()
+    idx = torch.randperm(8).to(torch.int32)
+    probs = torch.rand(4, 2).bfloat16()
+
+    def f(p):
+        return torch_npu.npu_moe_token_unpermute(tokens, idx, p).float().sum()
+
+    assert getattr(torch_npu.npu_moe_token_unpermute, "__opcontracts__", None) is None  # lazy
+    with opcontracts.mode("strict"):
+        e = torch._dynamo.explain(f)(probs)
+        assert e.graph_break_count == 0
+        torch._dynamo.reset()
+        with pytest.raises(ContractViolation) as ei:
+            torch.compile(f, backend="eager")(probs.float())
+    assert ei.value.arg == "probs" and ei.value.fix == "probs = probs.to(torch.bfloat16)"

@@ -133,7 +133,8 @@ def test_module_imported_after_the_patch(pkg, clean_patch):
 def test_hook_removed_when_nothing_is_pending(pkg, clean_patch):
     from octest_pkg import ops  # noqa: F401
 
-    patch._patcher.apply([_contract("t.scale", f"{PKG}.ops.scale")])
+    opcontracts.register(_contract("t.scale", f"{PKG}.ops.scale"), replace=True)
+    patch._patcher.apply([("t.scale", [f"{PKG}.ops.scale"])])
     assert patch.pending() == []
     assert not any(type(f).__name__ == "_ImportHook" for f in sys.meta_path)
 
