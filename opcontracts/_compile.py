@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import _values
-from ._dtypes import dtype_name, parse_dtype
+from ._dtypes import parse_dtype
 from ._shapes import Dim, ShapeSpec, parse_shape
 from .errors import ContractFileError
 
@@ -532,9 +532,3 @@ def compile_contract(contract: Contract, params: Sequence[Param] | None = None) 
     OP_BY_KEY[careful.key] = contract.op
     return careful
 
-
-def dtype_list(arg: Arg) -> list[str]:
-    return list(arg.dtype or ())
-
-
-__all__ += ["dtype_list", "dtype_name"]

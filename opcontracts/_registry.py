@@ -134,21 +134,18 @@ def get_contract(op: str) -> Contract:
 
 
 def _merge_arg(a: Arg, b: Arg) -> Arg:
+    """Both rules at once: the dtypes both accept (in ``a``'s order of preference), every rule
+    either sets (``a``'s wins where both set the same field), optional only if both say so.
+    Disjoint dtype sets cannot both hold: the narrower one is kept so calls are still checked."""
     from .spec import Arg
 
     data = a.model_dump(by_alias=False)
-    other = b.model_dump(by_alias=False)
-    if a.dtype is not None and b.dtype is not None:
-        inter = tuple(d for d in a.dtype if d in b.dtype)
-        if not inter:
-            inter = b.dtype if len(b.dtype) < len(a.dtype) else a.dtype
-        data["dtype"] = inter
-    for k, v in other.items():
+    for k, v in b.model_dump(by_alias=False).items():
         if data.get(k) in (None, False) and v not in (None, False):
             data[k] = v
     if a.dtype is not None and b.dtype is not None:
-        data["dtype"] = data["dtype"]
-    data["tensor_list"] = a.tensor_list or b.tensor_list
+        inter = tuple(d for d in a.dtype if d in b.dtype)
+        data["dtype"] = inter or (b.dtype if len(b.dtype) < len(a.dtype) else a.dtype)
     data["optional"] = a.optional and b.optional
     srcs = [s for s in (a.source, b.source) if s]
     data["source"] = " + ".join(dict.fromkeys(srcs)) if srcs else None
