@@ -8,11 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ._modes import get_mode, mode, set_mode
-from ._registry import UnknownOpError, get_contract, register
 from ._report import Report, report, reset_report
-from ._values import set_value_checks, value_checks_enabled
-from ._versions import set_versions
-from .decorator import check, enforce
 from .errors import (
     ContractFileError,
     ContractFixWarning,
@@ -22,21 +18,39 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
+    from ._registry import UnknownOpError, get_contract, register
+    from ._values import set_value_checks, value_checks_enabled
+    from ._versions import set_versions
+    from .decorator import check, enforce
     from .spec import Arg, Contract, ValueRule, When, load_contracts
 
-_LAZY = {"Arg", "Contract", "ValueRule", "When", "load_contracts"}
+# Names whose modules import torch or pydantic are loaded on first access (PEP 562): the pytest
+# plugin imports this package in every pytest session, and `import opcontracts.patch` sits at
+# the top of training scripts; neither should pay for what it does not use.
+_LAZY = {
+    "UnknownOpError": "_registry", "get_contract": "_registry", "register": "_registry",
+    "set_value_checks": "_values", "value_checks_enabled": "_values",
+    "set_versions": "_versions",
+    "check": "decorator", "enforce": "decorator",
+    "Arg": "spec", "Contract": "spec", "ValueRule": "spec", "When": "spec",
+    "load_contracts": "spec",
+}
 
 
 def __getattr__(name: str) -> Any:
-    # The contract model is pydantic; importing it costs ~100 ms, which `import opcontracts.patch`
-    # at the top of a training script should not pay before a contract is actually needed.
-    if name in _LAZY:
-        from . import spec
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'opcontracts' has no attribute {name!r}")
+    import importlib
 
-        value = getattr(spec, name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'opcontracts' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __version__ = "0.1.0"
 

@@ -497,6 +497,7 @@ def make_guard(fn: Callable[..., Any], cc: CompiledContract | None = None, *,
         _FACTORIES.append(lambda: _built(guarded, bootstrap))
 
     def guarded(*args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True  # pytest shows the caller's frame, not this wrapper
         if compiling():
             from . import _compiled  # imported only once something is being compiled
 

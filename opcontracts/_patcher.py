@@ -185,7 +185,18 @@ class Patcher:
 
     # ------------------------------------------------------------------ internals
     def _already_patched(self, target: str) -> bool:
-        return any(r.target == target and r.kind != "alias" for r in self.records)
+        """A live record for ``target``: its owner still holds our guard.  A record whose guard
+        is gone (the emulation's uninstall destroys the ``torch.ops.npu`` packets and whatever
+        was set on them) is dropped, so a later ``apply()`` guards the new object."""
+        live = False
+        for r in list(self.records):
+            if r.target != target or r.kind == "alias":
+                continue
+            if id(getattr(r.owner, r.attr, None)) in self.guard_ids:
+                live = True
+            else:
+                self.records.remove(r)
+        return live
 
     def _install_hook(self) -> None:
         watched: set[str] = set()

@@ -151,11 +151,21 @@ def merge_reports(reports: Iterable[Report]) -> Report:
     return Report(list(merged.values()), dropped, total)
 
 
-def report() -> Report:
-    """A snapshot of every violation recorded in this process."""
+def report(*, gather: bool = False) -> Report:
+    """A snapshot of every violation recorded in this process.
+
+    ``gather=True`` in a ``torch.distributed`` job is a collective (every rank must call it): rank
+    0 gets every rank's violations merged, each record naming the ``ranks`` that saw it; the other
+    ranks get their own.  Outside a distributed job it is the same as ``report()``.
+    """
     with _store.lock:
         recs = [Record(**{**asdict(r), "ranks": list(r.ranks)}) for r in _store.records.values()]
-        return Report(recs, _store.dropped, _store.total)
+        rep = Report(recs, _store.dropped, _store.total)
+    if gather:
+        from ._dist import gather_report  # torch.distributed only when asked
+
+        return gather_report(rep)
+    return rep
 
 
 def reset_report() -> None:

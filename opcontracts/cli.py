@@ -168,6 +168,27 @@ def _cmd_env(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_report_merge(ns: argparse.Namespace) -> int:
+    """Merge per-rank report files (``report.rank{R}.json``) and say which ranks saw what."""
+    from ._dist import cmd_merge
+
+    return cmd_merge(ns)
+
+
+def _cmd_demo(ns: argparse.Namespace) -> int:
+    """Reproduce the first-step NaN of the incident on the CPU emulation, catch it, fix it."""
+    from . import demo
+
+    return demo.run(ns)
+
+
+def _cmd_run(ns: argparse.Namespace) -> int:
+    """Run a script or module under ``opcontracts.patch`` (``opcontracts run --help``)."""
+    from . import _run
+
+    return _run.main(ns.argv)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="opcontracts",
                                 description="Contracts for custom accelerator operators.")
@@ -178,6 +199,30 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=_cmd_list)
     pe = sub.add_parser("env", help="show detected torch_npu / CANN / MindSpeed versions")
     pe.set_defaults(func=_cmd_env)
+    pd = sub.add_parser("demo", help="reproduce the first-step NaN of the incident, catch it, "
+                        "fix it (CPU emulation)")
+    pd.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    pd.add_argument("--seed", type=int, default=0, help="seed of the weights and data (default 0)")
+    pd.add_argument("--nan-check", action="store_true",
+                    help="also run the NaN sentinel on the unguarded and fix runs")
+    pd.set_defaults(func=_cmd_demo)
+    # everything after `run` belongs to opcontracts run's own parser (then to the script):
+    # no prefix characters, so argparse hands every word over untouched
+    prun = sub.add_parser("run", help="run a script (or -m module) with opcontracts.patch "
+                          "applied; `opcontracts run --help` for options",
+                          add_help=False, prefix_chars="\x00",
+                          usage="opcontracts run [--mode MODE] [--nan-check] [--report FILE] "
+                                "(script.py | -m module) [args ...]")
+    prun.add_argument("argv", nargs=argparse.REMAINDER)
+    prun.set_defaults(func=_cmd_run)
+    pr = sub.add_parser("report", help="work with saved report files")
+    rsub = pr.add_subparsers(dest="report_command", required=True)
+    prm = rsub.add_parser("merge", help="merge per-rank report files; show which ranks saw "
+                          "each violation")
+    prm.add_argument("files", nargs="+", metavar="FILE",
+                     help="report files (report.rank0.json ...) or a folder of them")
+    prm.add_argument("--json", metavar="OUT", help="also write the merged report as JSON")
+    prm.set_defaults(func=_cmd_report_merge)
     return p
 
 

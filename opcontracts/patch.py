@@ -65,10 +65,11 @@ def apply(contracts: Iterable[Contract] | None = None) -> list[PatchRecord]:
     except OpContractsError as exc:  # pragma: no cover - a broken install
         warnings.warn(f"opcontracts: shipped contracts: {exc}", RuntimeWarning, stacklevel=2)
         targets = {}
-    for c in extra:
-        res = _registry.resolve(c.op)
-        if res is not None:
-            targets[c.op] = tuple(dict.fromkeys(targets.get(c.op, ()) + res.targets))
+    # contracts registered in code or by earlier apply() calls (validated already)
+    for op in sorted({c.op for c in _registry.all_contracts()}):
+        res = _registry.resolve(op)
+        if res is not None and res.targets:
+            targets[op] = tuple(dict.fromkeys(targets.get(op, ()) + res.targets))
     _patcher.apply(sorted(targets.items()))
     return patched()
 

@@ -268,3 +268,22 @@ def test_dispatch_mode_catches_a_captured_overload(clean_patch):
             assert captured(BAD).dtype is torch.float32
     finally:
         lib._destroy()
+
+
+def test_reapply_after_the_guarded_object_was_replaced(clean_patch):
+    lib = torch.library.Library("octest3", "DEF")
+    lib.define("myop(Tensor x) -> Tensor")
+    lib.impl("myop", lambda x: x * 2, "CompositeExplicitAutograd")
+    patch.apply([_contract("t.myop3", "torch.ops.octest3.myop")])
+    assert getattr(torch.ops.octest3.myop, "__opcontracts_patched__", False)
+    lib._destroy()  # what emulation.uninstall() does: the packet and our guard go away
+    lib = torch.library.Library("octest3", "DEF")
+    try:
+        lib.define("myop(Tensor x) -> Tensor")
+        lib.impl("myop", lambda x: x * 2, "CompositeExplicitAutograd")
+        patch.apply()
+        assert getattr(torch.ops.octest3.myop, "__opcontracts_patched__", False)
+        with opcontracts.mode("strict"), pytest.raises(ContractViolation):
+            torch.ops.octest3.myop(BAD)
+    finally:
+        lib._destroy()
