@@ -192,7 +192,9 @@ class Patcher:
         for r in list(self.records):
             if r.target != target or r.kind == "alias":
                 continue
-            if id(getattr(r.owner, r.attr, None)) in self.guard_ids:
+            cur = getattr(r.owner, r.attr, None)
+            # ours, or a layer someone put over ours (functools.wraps copies the marker)
+            if id(cur) in self.guard_ids or getattr(cur, "__opcontracts_patched__", False):
                 live = True
             else:
                 self.records.remove(r)

@@ -200,7 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
     pe = sub.add_parser("env", help="show detected torch_npu / CANN / MindSpeed versions")
     pe.set_defaults(func=_cmd_env)
     pd = sub.add_parser("demo", help="reproduce the first-step NaN of the incident, catch it, "
-                        "fix it (CPU emulation)")
+                        "fix it (CPU emulation)",
+                        description="One training step of a small MoE transformer, four ways, on "
+                        "the CPU emulation of the NPU kernels: reference (plain PyTorch), "
+                        "unguarded (mode off), strict, fix. Exit status 0 when each outcome is "
+                        "the described one.")
     pd.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     pd.add_argument("--seed", type=int, default=0, help="seed of the weights and data (default 0)")
     pd.add_argument("--nan-check", action="store_true",

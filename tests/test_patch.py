@@ -287,3 +287,17 @@ def test_reapply_after_the_guarded_object_was_replaced(clean_patch):
             torch.ops.octest3.myop(BAD)
     finally:
         lib._destroy()
+
+
+def test_a_layer_over_a_guard_does_not_lose_the_record(pkg, clean_patch):
+    import functools
+
+    from octest_pkg import ops
+
+    original = ops.scale
+    patch.apply([_contract("t.scale", f"{PKG}.ops.scale")])
+    guard = ops.scale
+    ops.scale = functools.wraps(guard)(lambda *a, **k: guard(*a, **k))  # msprobe-style layer
+    patch.apply()
+    patch.unpatch()
+    assert ops.scale is original
