@@ -31,7 +31,7 @@ import torch
 from . import _modes
 from ._callsite import find_call_site
 from ._compile import BY_KEY, FAST_BY_KEY, OP_BY_KEY
-from ._enforce import _fix_target, _partner_from, _record_and_message, _warn, violation_from_raw
+from ._enforce import _Bound, _fix_target, _record_and_message, _warn, violation_from_raw
 from .errors import ContractFixWarning, ContractViolation, ContractWarning
 
 __all__ = ["call"]
@@ -87,7 +87,7 @@ def _decide(key: int, mode: str, arg_metas: tuple[Any, ...], kw_metas: tuple[Any
     for _ in range(16):
         if raw is None:
             break
-        partner = _partner_from(raw, names, args, kwargs)
+        partner = _Bound(cc, tuple(args), kwargs).get(raw.rule.partner)
         exc = violation_from_raw(raw, site, partner)
         target = _fix_target(raw, partner) if m is _modes.FIX and raw.rule.kind in ("dtype", "same_dtype") else None
         if m is _modes.WARN:

@@ -61,11 +61,35 @@ def gather_report(rep: Report, group: Any = None, dst: int = 0) -> Report:
         return mine
     payload = mine.to_dict()
     payload["rank"] = rank
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, payload, group=group)
+    everyone = _all_gather_payloads(payload, group, world)
     if dist.get_rank(group) != dst:
         return mine
     return merge_reports(_from_payload(p) for p in everyone if p is not None)
+
+
+def _all_gather_payloads(payload: dict[str, Any], group: Any, world: int) -> list[Any]:
+    """Every rank's payload.  torch's object collectives unpickle through numpy; where numpy is
+    missing (every rank of a job shares the environment, so all take the same branch) the JSON
+    text travels as byte tensors on the CPU, which gloo carries."""
+    import importlib.util
+
+    import torch
+    import torch.distributed as dist
+
+    if importlib.util.find_spec("numpy") is not None:
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, payload, group=group)
+        return everyone
+    data = torch.tensor(list(json.dumps(payload).encode("utf-8")), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64), group=group)
+    longest = max(int(n.item()) for n in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: data.numel()] = data
+    bufs = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(bufs, padded, group=group)
+    return [json.loads(bytes(b[: int(n.item())].tolist()).decode("utf-8"))
+            for b, n in zip(bufs, sizes)]
 
 
 def _from_payload(data: dict[str, Any]) -> Report:

@@ -196,18 +196,8 @@ def _warn(exc: ContractViolation, site: CallSite | None, message: str,
     """Warn at the user's call site; the text is the first message seen for this site and
     rule, so the warnings machinery shows it once (``default`` action) and still raises on
     every call under ``-W error::opcontracts.ContractWarning``."""
-    key = (exc.op, exc.arg, exc.rule, str(site), category)
-    with _reg_lock:
-        reg = _registries.get(key)
-        if reg is None:
-            if len(_registries) > 4096:
-                _registries.clear()
-            reg = _registries[key] = {}
-    if site is None:
-        warnings.warn(message, category, stacklevel=3)
-        return
-    warnings.warn_explicit(message, category, site.filename, site.lineno, module=site.module,
-                           registry=reg)
+    site_key = str(site) if site else "?"
+    _emit(_SiteEntry(site, message, category, [(exc.op, exc.arg, exc.rule, site_key, "")], None))
 
 
 def reset_warnings() -> None:
@@ -266,17 +256,6 @@ def _positions(cc: CompiledContract) -> dict[str, int]:
             pos[p.name] = i
         _pos_cache[id(cc)] = pos
     return pos
-
-
-def _partner_from(raw: RawViolation, names: Sequence[str], args: Sequence[Any],
-                  kwargs: dict[str, Any]) -> Any:
-    p = raw.rule.partner
-    if p is None:
-        return None
-    if p in kwargs:
-        return kwargs[p]
-    i = list(names).index(p) if p in names else -1
-    return args[i] if 0 <= i < len(args) else None
 
 
 def _record_and_message(exc: ContractViolation, site: CallSite | None, m: _modes.Mode,
