@@ -20,21 +20,19 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
 from . import _modes
 from . import _report as _report_mod
 from ._callsite import CallSite, find_call_site
-from ._compile import MISSING, CompiledContract, Param, RawViolation, compile_contract
+from ._compile import CompiledContract, Param, RawViolation, compile_contract
 from ._dtypes import dtype_name, int_range, parse_dtype
 from ._report import bump, current_rank, record
 from .errors import ContractFixWarning, ContractViolation, ContractWarning
 
 __all__ = ["make_guard", "params_of", "violation_from_raw", "check_call", "compiled_for"]
-
-F = TypeVar("F", bound=Callable[..., Any])
 
 _FIX_ROUNDS = 16
 
@@ -82,10 +80,6 @@ def _inspect_signature(params: Sequence[Param]) -> inspect.Signature:
 
 
 # --------------------------------------------------------------------------- messages
-def _rank() -> int | None:
-    return current_rank()
-
-
 def _fmt_shape(v: torch.Tensor) -> str:
     return "(" + ", ".join(str(int(s)) for s in v.shape) + ("," if v.dim() == 1 else "") + ")"
 
@@ -182,7 +176,7 @@ def violation_from_raw(raw: RawViolation, site: CallSite | None, partner_value: 
     return ContractViolation(
         op=rule.op, arg=arg, rule=rule.kind, expected=rule.expected, actual=_actual(raw),
         bindings=raw.bindings, call_site=str(site) if site else None, source=rule.source,
-        fix=_hint(raw, partner_value), rank=_rank(),
+        fix=_hint(raw, partner_value), rank=current_rank(),
     )
 
 
@@ -571,4 +565,3 @@ def check_call(cc: CompiledContract, args: tuple[Any, ...], kwargs: dict[str, An
     raise violation_from_raw(raw, site, _Bound(cc, args, kwargs).get(raw.rule.partner))
 
 
-_ = MISSING  # re-exported for the patch module

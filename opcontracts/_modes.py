@@ -14,7 +14,7 @@ import functools
 import os
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from contextlib import ContextDecorator
 from contextvars import ContextVar, Token
 from types import MappingProxyType
@@ -207,7 +207,3 @@ class mode(ContextDecorator):  # noqa: N801 - reads like numpy.errstate
     def __repr__(self) -> str:
         extra = f", op={self.op!r}" if self.op else ""
         return f"opcontracts.mode({self.mode.value!r}{extra})"
-
-
-def _iter_modes() -> Iterator[str]:  # for the CLI's help
-    return iter(m.value for m in Mode)
