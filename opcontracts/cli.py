@@ -70,11 +70,37 @@ def _when_text(when: When) -> str:
     return ", ".join(out)
 
 
+def _target_status(target: str) -> str:
+    """Whether a target can be reached here, without importing anything: a module target whose
+    top-level package is not installed, or a ``torch.ops`` op not registered, is reported (the
+    patch would leave it pending; a job never fails on it)."""
+    import importlib.util
+    import sys
+
+    parts = target.split(".")
+    if parts[:2] == ["torch", "ops"] and len(parts) == 4:
+        import torch
+
+        try:
+            getattr(getattr(torch.ops, parts[2]), parts[3])
+        except (AttributeError, RuntimeError):
+            return " (not registered here)"
+        return ""
+    if parts[0] in sys.modules:
+        return ""
+    try:
+        found = importlib.util.find_spec(parts[0]) is not None
+    except (ImportError, ValueError):
+        found = False
+    return "" if found else " (not installed here)"
+
+
 def _print_contract(c: Contract, status: str, indent: str = "  ") -> None:
     print(f"{indent}[{status}]")
     if c.when is not None:
         print(f"{indent}  when:    {_when_text(c.when)}")
-    print(f"{indent}  targets: {', '.join(c.targets) or '-'}")
+    targets = [t + _target_status(t) for t in c.targets]
+    print(f"{indent}  targets: {', '.join(targets) or '-'}")
     print(f"{indent}  source:  {c.source or '-'}")
     width = max((len(n) for n in c.args), default=0)
     for name, a in c.args.items():

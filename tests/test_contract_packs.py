@@ -704,7 +704,7 @@ def test_cli_list_shows_what_applies() -> None:
     out = _cli("list")
     assert out.startswith("environment: torch_npu 2.13.0")
     assert "npu_moe_token_unpermute\n" in out and "mindspeed.npu_gmm\n" in out
-    assert "targets: torch_npu.npu_moe_token_unpermute, torch.ops.npu.npu_moe_token_unpermute" in out
+    assert "targets: torch_npu.npu_moe_token_unpermute" in out
     assert "probs            bf16/fp16/fp32, (N K), optional" in out
     assert "[applies: torch_npu 2.13.0 meets >=2.13; cann 8.0.0 meets >=8.0.0]" in out
     assert "source:  torch_npu 2.13.0 wheel, torch_npu/_op_plugin_docs.py (npu_moe_token_unpermute)" in out
@@ -748,3 +748,18 @@ def test_cli_env_marks_the_emulation(emu: Any) -> None:
     out = _cli("env")
     line = next(ln for ln in out.splitlines() if ln.startswith("torch_npu"))
     assert "2.13.0" in line and "emulation" in line
+
+
+def test_cli_list_marks_targets_that_cannot_be_reached_here(emu: Any) -> None:
+    out = _cli("list")
+    assert ("targets: torch_npu.npu_moe_token_unpermute, torch.ops.npu.npu_moe_token_unpermute\n"
+            in out)  # the emulation provides both
+    from opcontracts import emulation
+
+    emulation.uninstall()
+    try:
+        out = _cli("list")
+    finally:
+        emulation.install()
+    assert ("targets: torch_npu.npu_moe_token_unpermute (not installed here), "
+            "torch.ops.npu.npu_moe_token_unpermute (not registered here)") in out
