@@ -353,7 +353,10 @@ class _Gen:
             ind, definite = 2, False
         else:
             rid = self.rule(arg, "missing", "a tensor (this argument is not optional)", spec)
-            self.emit(1, f"if {v} is None: {self.fail(rid, v)}")
+            touches = spec.dtype is not None or bool(spec.shape) or bool(spec.rank) \
+                or spec.contiguous or spec.tensor_list
+            if not (self.fast and touches):  # the fast checker's None fails on `.dtype` & co
+                self.emit(1, f"if {v} is None: {self.fail(rid, v)}")
             # a required argument left out: let the original raise its own TypeError
             self.emit(1, f"if {v} is _M: return {'True' if self.fast else 'None'}")
             ind, definite = 1, True

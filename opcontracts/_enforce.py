@@ -426,6 +426,11 @@ def _fix_and_call(raw: RawViolation | None, cc: CompiledContract, fn: Callable[.
 # --------------------------------------------------------------------------- the guard
 _FACTORIES: list[Callable[[], CompiledContract]] = []
 
+# True only while dynamo traces (it folds the call to a constant); in eager a bare `return False`
+# (~18 ns, against ~50 ns for torch.compiler.is_compiling, which also asks TorchScript)
+_is_dynamo_compiling: Callable[[], bool] = getattr(
+    torch.compiler, "is_dynamo_compiling", getattr(torch.compiler, "is_compiling", lambda: False))
+
 
 def make_guard(fn: Callable[..., Any], cc: CompiledContract | None = None, *,
                op: str | None = None, factory: Callable[[], CompiledContract] | None = None,
@@ -445,7 +450,7 @@ def make_guard(fn: Callable[..., Any], cc: CompiledContract | None = None, *,
     get = _modes._ctx.get        # bound method: no attribute lookups per call
     modes = _modes
     OFF = _modes.OFF
-    compiling = torch.compiler.is_compiling  # folded to True by dynamo, ~50 ns in eager
+    compiling = _is_dynamo_compiling  # folded to True by dynamo, ~18 ns in eager
     violated = _violated
     lock = threading.Lock()
     token = -1

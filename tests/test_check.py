@@ -277,3 +277,9 @@ def test_check_without_calling():
         _registry.unregister("unpermute")
     with pytest.raises(opcontracts.UnknownOpError):
         opcontracts.check("unpermute", t(8, 16))
+
+
+def test_none_for_a_required_argument_without_rules_is_caught():
+    f = guard(Contract("bare", {"a": Arg(), "b": Arg("bf16")}))
+    assert violation(f, None, t(2)).rule == "missing"
+    assert violation(f, t(2), None).rule == "missing"
