@@ -54,7 +54,12 @@ def format_violation(
         f"{op}: {actual}, expected {expected}"
     if rank is not None:
         head = f"[rank {rank}] {head}"
-    lines = [head, f"  rule:      {rule}", f"  expected:  {expected}", f"  got:       {actual}"]
+    got = actual
+    for verb in ("has ", "is "):  # "argument 'p' has dtype float32" reads "got: dtype float32"
+        if got.startswith(verb):
+            got = got[len(verb):]
+            break
+    lines = [head, f"  rule:      {rule}", f"  expected:  {expected}", f"  got:       {got}"]
     if bindings:
         lines.append("  bindings:  " + ", ".join(f"{k}={v}" for k, v in bindings.items()))
     if call_site:
