@@ -407,12 +407,21 @@ class _Gen:
     # -- whole function ------------------------------------------------------------------
     def build(self) -> CompiledContract:
         c = self.c
-        for name in c.args:
-            if name not in self.pnames:
+        # A wrapper may take fewer parameters than the op (it passes padded_mode=False itself):
+        # rules for optional and scalar arguments it does not take do not apply to it; a
+        # required tensor argument it lacks, or a relation to one it lacks, is an error.
+        absent = [n for n in c.args if n not in self.pnames]
+        for name in absent:
+            a = c.args[name]
+            partners = [n for n, b in c.args.items() if name in (b.same_dtype_as, b.same_shape_as)]
+            if (a.is_tensor and not a.optional) or partners:
                 raise ContractFileError(
                     f"the contract names argument {name!r}, but the guarded callable takes "
                     f"({', '.join(p.name for p in self.params)})",
                     file=c.file, contract=c.op, field=f"args.{name}")
+        if absent:
+            c = self.c = c.model_copy(
+                update={"args": {n: a for n, a in c.args.items() if n not in absent}})
         self.tensor_args = tuple(n for n, a in c.args.items() if a.is_tensor)
         body_start = len(self.lines)
         if c.same_device and len(self.tensor_args) > 1:

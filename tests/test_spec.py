@@ -112,3 +112,19 @@ def test_contract_arg_not_in_signature_is_clear():
     c = Contract("x", {"nope": Arg("bf16")})
     with pytest.raises(ContractFileError, match="'nope'.*takes \\(a, b\\)"):
         opcontracts.enforce(c)(lambda a, b: None)
+
+
+def test_wrapper_without_optional_or_scalar_arguments_of_the_op():
+    c = Contract("x", {"a": Arg("bf16"), "probs": Arg("bf16", optional=True),
+                       "padded_mode": Arg(allowed=[False])})
+
+    @opcontracts.enforce(c)
+    def wrapper(a):  # passes padded_mode=False and no probs itself
+        return a
+
+    with opcontracts.mode("strict"):
+        wrapper(torch.ones(1, dtype=torch.bfloat16))
+        with pytest.raises(opcontracts.ContractViolation):
+            wrapper(torch.ones(1))
+    with pytest.raises(ContractFileError, match="'a'"):
+        opcontracts.enforce(c)(lambda probs: None)
