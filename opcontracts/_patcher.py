@@ -190,7 +190,7 @@ class Patcher:
         was set on them) is dropped, so a later ``apply()`` guards the new object."""
         live = False
         for r in list(self.records):
-            if r.target != target or r.kind == "alias":
+            if r.target != target:
                 continue
             cur = getattr(r.owner, r.attr, None)
             # ours, or a layer someone put over ours (functools.wraps copies the marker)
@@ -270,7 +270,15 @@ class Patcher:
                 return "pending"  # the module may define it later (torch.ops.npu before torch_npu)
             return f"{_owner_name(owner)} has no attribute {attr!r}"
         if id(current) in self.guard_ids:
-            return None  # already ours (an alias rebound earlier, or applied twice)
+            # already ours: rebound earlier, or copied from a patched object (torch_npu's
+            # stand-in module copies torch.ops.npu attributes when it is imported after the
+            # patch). Without a record of its own, unpatch would leave the guard here.
+            if not isinstance(owner, type) and not any(
+                    r.owner is owner and r.attr == attr for r in self.records):
+                self.records.append(PatchRecord(target, op, "alias", owner, attr,
+                                                getattr(current, "__wrapped__", raw),
+                                                _owner_name(owner)))
+            return None
         if getattr(current, "__opcontracts_patched__", False):
             return None
         if _is_autograd_function(current) and getattr(

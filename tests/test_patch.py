@@ -301,3 +301,89 @@ def test_a_layer_over_a_guard_does_not_lose_the_record(pkg, clean_patch):
     patch.apply()
     patch.unpatch()
     assert ops.scale is original
+
+
+@pytest.fixture
+def emulated_patch(tmp_path):
+    """The emulation (narrow profile) with `import opcontracts.patch`'s state, as a job has."""
+    from opcontracts import emulation
+
+    patch.unpatch()
+    was = emulation.installed()
+    emulation.install("narrow")
+    patch.apply()
+    sys.path.insert(0, str(tmp_path))
+    yield tmp_path
+    sys.path.remove(str(tmp_path))
+    for name in [m for m in sys.modules if m.startswith("octest_user")]:
+        del sys.modules[name]
+    patch.unpatch()
+    if not was:
+        emulation.uninstall()
+    patch.apply()
+
+
+def _unpermute_args(probs_dtype=torch.bfloat16):
+    tokens = torch.randn(8, 16).to(torch.bfloat16)
+    idx = torch.randperm(8).to(torch.int32)
+    probs = torch.rand(4, 2).to(probs_dtype)
+    return tokens, idx, probs
+
+
+def test_every_route_to_the_emulated_ops_is_caught_in_strict(emulated_patch):
+    import torch_npu
+    from mindspeed.ops import npu_moe_token_unpermute as ms_mod
+    from mindspeed.ops.npu_moe_token_unpermute import npu_moe_token_unpermute as imported_before
+
+    # a user module imported only after the patch, binding the names at its import
+    (emulated_patch / "octest_user.py").write_text(
+        "from mindspeed.ops.npu_moe_token_unpermute import npu_moe_token_unpermute\n"
+        "import torch_npu\n"
+        "def run(*a):\n    return npu_moe_token_unpermute(*a)\n"
+        "def run_npu(*a):\n    return torch_npu.npu_moe_token_unpermute(*a)\n")
+    import octest_user
+
+    good, bad = _unpermute_args(), _unpermute_args(torch.float32)
+    routes = {
+        "torch_npu.x": torch_npu.npu_moe_token_unpermute,
+        "torch.ops.npu.x": torch.ops.npu.npu_moe_token_unpermute,
+        "mindspeed module function": ms_mod.npu_moe_token_unpermute,
+        "from-import before the patch": imported_before,
+        "module imported after the patch": octest_user.run,
+        "torch_npu in a later module": octest_user.run_npu,
+    }
+    with opcontracts.mode("strict"):
+        for name, fn in routes.items():
+            fn(*good)
+            with pytest.raises(ContractViolation, match="probs") as ei:
+                fn(*bad)
+            assert ei.value.arg == "probs", name
+
+
+def test_dispatch_mode_catches_a_captured_npu_overload(emulated_patch):
+    from opcontracts.dispatch import ContractDispatchMode
+
+    captured = torch.ops.npu.npu_moe_token_unpermute.default  # bypasses every Python name
+    bad = _unpermute_args(torch.float32)
+    with opcontracts.mode("strict"):
+        captured(*bad)  # silently computes garbage: nothing checks it
+        with ContractDispatchMode(), pytest.raises(ContractViolation, match="probs"):
+            captured(*bad)
+
+
+def test_unpatch_restores_the_emulated_ops_identically(emulated_patch):
+    import torch_npu
+    from mindspeed.ops import npu_moe_token_unpermute as ms_mod
+
+    patch.unpatch()
+    originals = (torch_npu.npu_moe_token_unpermute, torch.ops.npu.npu_moe_token_unpermute,
+                 ms_mod.npu_moe_token_unpermute)
+    for _ in range(3):
+        patch.apply()
+        assert torch_npu.npu_moe_token_unpermute is not originals[0]
+        patch.unpatch()
+    assert (torch_npu.npu_moe_token_unpermute, torch.ops.npu.npu_moe_token_unpermute,
+            ms_mod.npu_moe_token_unpermute) == originals
+    assert torch_npu.npu_moe_token_unpermute is originals[0]
+    assert torch.ops.npu.npu_moe_token_unpermute is originals[1]
+    assert ms_mod.npu_moe_token_unpermute is originals[2]
