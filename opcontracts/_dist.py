@@ -24,7 +24,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ._report import Record, Report, load_report, merge_reports
+from ._report import Record, Report, load_report, merge_reports, table_lines
 
 __all__ = ["gather_report", "merge_files", "format_merged", "cmd_merge"]
 
@@ -148,17 +148,8 @@ def format_merged(merged: Report, ranks: Sequence[int], n_files: int) -> str:
     if not merged.records:
         return head + "\nno contract violations."
     recs = sorted(merged.records, key=lambda r: (r.op, r.call_site, r.arg or "", r.rule, r.mode))
-    rows = [("op", "arg", "rule", "mode", "count", "ranks", "call site")]
-    for r in recs:
-        mode = f"{r.mode} ({r.fixed} fixed)" if r.fixed else r.mode
-        rows.append((r.op, r.arg or "-", r.rule, mode, str(r.count), _ranks_text(r.ranks),
-                     r.call_site))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = [head, f"{merged.total} contract violation(s) at {len(recs)} site(s)", ""]
-    for j, row in enumerate(rows):
-        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
-        if j == 0:
-            lines.append("  ".join("-" * w for w in widths))
+    lines += table_lines(recs)
     if merged.dropped:
         lines.append(f"({merged.dropped} further distinct violation(s) not kept)")
     lines.append("")

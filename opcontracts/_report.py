@@ -104,17 +104,8 @@ class Report:
     def table(self) -> str:
         if not self.records:
             return "opcontracts: no contract violations."
-        rows = [("op", "arg", "rule", "mode", "count", "ranks", "call site")]
-        for r in sorted(self.records, key=lambda r: (-r.count, r.op, r.call_site)):
-            ranks = ",".join(map(str, sorted(r.ranks))) if r.ranks else "-"
-            mode = f"{r.mode} ({r.fixed} fixed)" if r.fixed else r.mode
-            rows.append((r.op, r.arg or "-", r.rule, mode, str(r.count), ranks, r.call_site))
-        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         lines = [f"opcontracts: {self.total} contract violation(s) at {len(self.records)} site(s)"]
-        for j, row in enumerate(rows):
-            lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
-            if j == 0:
-                lines.append("  ".join("-" * w for w in widths))
+        lines += table_lines(sorted(self.records, key=lambda r: (-r.count, r.op, r.call_site)))
         if self.dropped:
             lines.append(f"({self.dropped} further distinct violation(s) not kept: limit {MAX_RECORDS})")
         firsts = sorted(self.records, key=lambda r: (-r.count, r.op, r.call_site))[:5]
@@ -132,6 +123,22 @@ class Report:
         fields = set(Record.__dataclass_fields__)
         recs = [Record(**{k: v for k, v in r.items() if k in fields}) for r in data.get("records", [])]
         return cls(recs, int(data.get("dropped", 0)), int(data.get("total", 0)))
+
+
+def table_lines(records: Iterable[Record]) -> list[str]:
+    """The records as an aligned table (header, rule, one row each), in the order given."""
+    rows = [("op", "arg", "rule", "mode", "count", "ranks", "call site")]
+    for r in records:
+        ranks = ",".join(map(str, sorted(r.ranks))) if r.ranks else "-"
+        mode = f"{r.mode} ({r.fixed} fixed)" if r.fixed else r.mode
+        rows.append((r.op, r.arg or "-", r.rule, mode, str(r.count), ranks, r.call_site))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for j, row in enumerate(rows):
+        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+        if j == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return lines
 
 
 def merge_reports(reports: Iterable[Report]) -> Report:

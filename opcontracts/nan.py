@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import math
 import sys
 import threading
@@ -235,14 +236,8 @@ def _nonfinite(t: Any) -> bool:
 
 def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[tuple[Any, torch.Tensor]]:
     """(key, tensor) for the tensor arguments, one level into lists (``Tensor[]``)."""
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor):
-            yield (i, None), a
-        elif isinstance(a, (list, tuple)):
-            for j, x in enumerate(a):
-                if isinstance(x, torch.Tensor):
-                    yield (i, j), x
-    for k, a in kwargs.items():
+    keyed: Iterator[tuple[Any, Any]] = itertools.chain(enumerate(args), kwargs.items())
+    for k, a in keyed:
         if isinstance(a, torch.Tensor):
             yield (k, None), a
         elif isinstance(a, (list, tuple)):
