@@ -120,6 +120,7 @@ class _Gen:
         self.lines: list[str] = []
         self.consts = itertools.count()
         self.bound: set[str] = set()       # names surely bound at this point of the code
+        self.seen: set[str] = set()        # names bound somewhere earlier (maybe conditionally)
         self.mentioned: list[str] = []     # every shape name, in order
         self.pseudo: dict[str, str] = {}   # expression text -> local holding its first size
         self.deferred: list[tuple[str, int]] = []  # code lines run at the end, with indent
@@ -155,65 +156,58 @@ class _Gen:
         if n not in self.mentioned:
             self.mentioned.append(n)
 
+    def _bind(self, ind: int, key: str, local: str, value: str, mismatch: str,
+              definite: bool, fail: str) -> None:
+        """``local`` takes ``value`` where ``key`` first occurs; later occurrences fail on
+        ``mismatch``.  A key bound on every path is compared directly; a first occurrence on
+        every path (a required argument, nothing seen before) assigns without the sentinel
+        test; anywhere else the sentinel decides between binding and comparing."""
+        if key in self.bound:
+            self.emit(ind, f"if {mismatch}: {fail}")
+        elif definite and key not in self.seen:
+            self.emit(ind, f"{local} = {value}")
+            self.bound.add(key)
+        else:
+            self.emit(ind, f"if {local} is _U: {local} = {value}")
+            self.emit(ind, f"elif {mismatch}: {fail}")
+        self.seen.add(key)
+
     def dim_check(self, ind: int, d: Dim, size: str, rid: int, val: str, idx: str,
                   definite: bool) -> None:
+        for n in d.names:
+            self._name(n)
+        fail = self.fail(rid, val, idx)  # after _name: the failure shows this dim's names too
         if d.kind == "int":
-            self.emit(ind, f"if {size} != {d.value}: {self.fail(rid, val, idx)}")
+            self.emit(ind, f"if {size} != {d.value}: {fail}")
         elif d.kind == "name":
             n = d.names[0]
-            self._name(n)
-            if n in self.bound:
-                self.emit(ind, f"if {size} != _d_{n}: {self.fail(rid, val, idx)}")
-            elif definite:
-                self.emit(ind, f"_d_{n} = {size}")
-                self.bound.add(n)
-            else:
-                self.emit(ind, f"if _d_{n} is _U: _d_{n} = {size}")
-                self.emit(ind, f"elif {size} != _d_{n}: {self.fail(rid, val, idx)}")
+            self._bind(ind, n, f"_d_{n}", size, f"{size} != _d_{n}", definite, fail)
         elif d.kind == "expr":
-            for n in d.names:
-                self._name(n)
             py = d.py
             for n in d.names:
                 py = _replace_name(py, n, f"_d_{n}")
             if all(n in self.bound for n in d.names):
-                self.emit(ind, f"if {size} != {py}: {self.fail(rid, val, idx)}")
+                self.emit(ind, f"if {size} != {py}: {fail}")
                 return
             if d.solve is not None and d.solve[0] not in self.bound:
-                x, k = d.solve
-                if definite:
-                    self.emit(ind, f"if {size} % {k}: {self.fail(rid, val, idx)}")
-                    self.emit(ind, f"_d_{x} = {size} // {k}")
-                    self.bound.add(x)
-                else:
-                    self.emit(ind, f"if {size} % {k}: {self.fail(rid, val, idx)}")
-                    self.emit(ind, f"if _d_{x} is _U: _d_{x} = {size} // {k}")
-                    self.emit(ind, f"elif {size} != {py}: {self.fail(rid, val, idx)}")
+                x, k = d.solve  # k*X with X unbound: the size must divide, X is its quotient
+                self.emit(ind, f"if {size} % {k}: {fail}")
+                self._bind(ind, x, f"_d_{x}", f"{size} // {k}", f"{size} != {py}", definite, fail)
                 return
             # Names not bound yet: remember this size under the expression's text, compare
             # further occurrences with it, and check the expression once names are known.
             key = d.text.replace(" ", "")
-            if key not in self.pseudo:
-                local = f"_e{len(self.pseudo)}"
-                self.pseudo[key] = local
-                if definite:
-                    self.emit(ind, f"{local} = {size}")
-                    self.bound.add(key)
-                else:
-                    self.emit(ind, f"if {local} is _U: {local} = {size}")
-                    self.emit(ind, f"elif {size} != {local}: {self.fail(rid, val, idx)}")
+            first = key not in self.pseudo
+            if first:
+                self.pseudo[key] = f"_e{len(self.pseudo)}"
+            local = self.pseudo[key]
+            self._bind(ind, key, local, size, f"{size} != {local}", definite, fail)
+            if first:
                 guard = " and ".join(f"_d_{n} is not _U" for n in d.names)
                 self.deferred.append(
                     (f"if {local} is not _U and {guard} and {local} != {py}: "
                      f"return _V({rid}, {val if definite else 'None'}, __BINDINGS__, None)", 1)
                 )
-            elif key in self.bound:
-                local = self.pseudo[key]
-                self.emit(ind, f"if {size} != {local}: {self.fail(rid, val, idx)}")
-            else:
-                local = self.pseudo[key]
-                self.emit(ind, f"if {local} is _U: {local} = {size}")
-                self.emit(ind, f"elif {size} != {local}: {self.fail(rid, val, idx)}")
 
     def shape_checks(self, ind: int, arg: str, spec: Arg, val: str, idx: str,
                      definite: bool) -> None:

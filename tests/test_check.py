@@ -283,3 +283,12 @@ def test_none_for_a_required_argument_without_rules_is_caught():
     f = guard(Contract("bare", {"a": Arg(), "b": Arg("bf16")}))
     assert violation(f, None, t(2)).rule == "missing"
     assert violation(f, t(2), None).rule == "missing"
+
+
+def test_a_size_bound_by_an_optional_argument_is_compared_by_a_later_required_one():
+    f = guard(Contract("o", {"probs": Arg(shape="N K", optional=True), "x": Arg(shape="N H")}))
+    with opcontracts.mode("strict"):
+        f(t(4, 2), t(4, 8))
+        f(None, t(3, 8))  # N unbound by probs: x binds it
+    e = violation(f, t(4, 2), t(3, 8))
+    assert e.arg == "x" and e.rule == "shape" and e.bindings["N"] == 4
