@@ -1,0 +1,196 @@
+"""The signature memo: calls whose tensor metadata already conformed skip the generated checker
+(a C++ check from torch's dynamo guards), and nothing that must be caught slips through it."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+import opcontracts
+from opcontracts import Arg, Contract, ContractViolation, ValueRule, _memo
+
+BF16, I32 = torch.bfloat16, torch.int32
+UNPERMUTE = Contract("memo_unpermute", {
+    "permuted_tokens": Arg("bf16", "N*K H"),
+    "sorted_indices": Arg("int32", "N*K"),
+    "probs": Arg("bf16", "N K", optional=True),
+})
+
+
+def noop(permuted_tokens, sorted_indices, probs=None):
+    return "called"
+
+
+def good(n: int = 4, k: int = 2, h: int = 8):
+    return (torch.zeros(n * k, h, dtype=BF16), torch.arange(n * k, dtype=I32),
+            torch.full((n, k), 0.5, dtype=BF16))
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Count the memo's hits: wrap every check it learns."""
+    hits: list[int] = []
+    real = _memo.learn
+
+    def learn(args, static):
+        check = real(args, static)
+        if check is None:
+            return None
+
+        def counting(*a):
+            ok = check(*a)
+            hits.append(ok)
+            return ok
+        return counting
+    monkeypatch.setattr(_memo, "learn", learn)
+    return hits
+
+
+def test_available_on_this_torch():
+    assert _memo.available()
+
+
+def test_second_conforming_call_is_answered_by_the_memo(counted):
+    f = opcontracts.enforce(UNPERMUTE)(noop)
+    with opcontracts.mode("strict"):
+        assert f(*good()) == "called"
+        assert counted == [] and len(f.__opcontracts_memo__[3]) == 1
+        assert f(*good()) == "called"
+    assert counted == [True]
+
+
+@pytest.mark.parametrize("bad", [
+    lambda t, i, p: (t, i, p.float()),                          # the incident: fp32 probs
+    lambda t, i, p: (t, i.long(), p),                           # int64 indices
+    lambda t, i, p: (t, i, torch.zeros(3, 2, dtype=BF16)),      # N*K relation broken, ranks kept
+    lambda t, i, p: (t[:6], i[:6], p),                          # same dtypes, 6 != 4*2
+    lambda t, i, p: (t, i, p.reshape(8)),                       # rank
+])
+def test_violations_after_memoisation_are_still_caught(bad):
+    f = opcontracts.enforce(UNPERMUTE)(noop)
+    with opcontracts.mode("strict"):
+        f(*good())
+        f(*good())
+        with pytest.raises(ContractViolation):
+            f(*bad(*good()))
+
+
+def test_other_sizes_that_conform_are_checked_then_learnt(counted):
+    f = opcontracts.enforce(UNPERMUTE)(noop)
+    with opcontracts.mode("strict"):
+        f(*good(4, 2))
+        f(*good(3, 2))
+        f(*good(3, 2))
+    assert len(f.__opcontracts_memo__[3]) == 2
+    assert True in counted
+
+
+def test_memo_is_bounded_and_stays_correct():
+    f = opcontracts.enforce(UNPERMUTE)(noop)
+    with opcontracts.mode("strict"):
+        for n in range(1, 3 * _memo.CAPACITY):
+            f(*good(n, 2))
+        assert len(f.__opcontracts_memo__[3]) == _memo.CAPACITY
+        with pytest.raises(ContractViolation):
+            f(*good(1, 2)[:2], torch.zeros(1, 2))
+
+
+def test_memo_holds_no_tensor():
+    f = opcontracts.enforce(UNPERMUTE)(noop)
+    args = good()
+    refs = [weakref.ref(a) for a in args]
+    f(*args)
+    f(*args)
+    assert f.__opcontracts_memo__[3]
+    del args
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+def test_keyword_calls_and_non_tensor_arguments_are_always_checked():
+    f = opcontracts.enforce(UNPERMUTE)(noop)
+    t, i, p = good()
+    with opcontracts.mode("strict"):
+        f(t, i, None)
+        f(t, i, None)
+        f(t, i, probs=p)
+        f(t, i, probs=p)
+        assert f.__opcontracts_memo__ == {}
+        with pytest.raises(ContractViolation):
+            f(t, i, probs=p.float())
+        with pytest.raises(ContractViolation):
+            f(t, i.long(), None)
+
+
+def test_contiguity_rules_pin_strides():
+    f = opcontracts.enforce(Contract("memo_contig", {"x": Arg("fp32", "M N", contiguous=True)}))(
+        lambda x: x)
+    x = torch.zeros(4, 4)
+    with opcontracts.mode("strict"):
+        f(x)
+        f(x)
+        with pytest.raises(ContractViolation, match="contiguous"):
+            f(x.t())
+
+
+def test_strides_do_not_matter_without_a_contiguity_rule(counted):
+    f = opcontracts.enforce(Contract("memo_strided", {"x": Arg("fp32", "M M")}))(lambda x: x)
+    x = torch.zeros(4, 4)
+    f(x)
+    f(x.t())
+    assert counted == [True]
+
+
+def test_value_checks_turned_on_later_are_not_bypassed():
+    f = opcontracts.enforce(Contract("memo_values", {
+        "idx": Arg("int32", "M", values=ValueRule(nonnegative=True))}))(lambda idx: idx)
+    with opcontracts.mode("strict"):
+        f(torch.arange(4, dtype=I32))
+        f(torch.arange(4, dtype=I32))
+        prev = opcontracts.set_value_checks(True)
+        try:
+            with pytest.raises(ContractViolation):
+                f(torch.tensor([0, -1, 2, 3], dtype=I32))
+        finally:
+            opcontracts.set_value_checks(prev)
+
+
+def test_autograd_state_and_parameters_are_separate_signatures():
+    f = opcontracts.enforce(UNPERMUTE)(noop)
+    t, i, p = good()
+    with opcontracts.mode("strict"):
+        f(t, i, p)
+        f(t.requires_grad_(), i, p)
+        f(t, i, torch.nn.Parameter(p))
+        assert len(f.__opcontracts_memo__[3]) == 3
+        with pytest.raises(ContractViolation):
+            f(t, i, torch.nn.Parameter(p.float()))
+
+
+def test_memo_off_by_environment(monkeypatch):
+    monkeypatch.setattr(_memo, "_state", [None])
+    monkeypatch.setenv("OPCONTRACTS_MEMO", "0")
+    assert not _memo.available()
+    f = opcontracts.enforce(UNPERMUTE)(noop)
+    with opcontracts.mode("strict"):
+        f(*good())
+        f(*good())
+        assert not f.__opcontracts_memo__.get(3)
+        with pytest.raises(ContractViolation):
+            f(*good()[:2], good()[2].float())
+
+
+def test_a_torch_without_the_private_api_leaves_the_memo_off(monkeypatch):
+    def broken(*a, **k):
+        raise TypeError("TensorGuards() takes no arguments")
+    monkeypatch.setattr(_memo, "_state", [None])
+    monkeypatch.setattr(_memo, "_build", broken)
+    assert not _memo.available()
+    f = opcontracts.enforce(UNPERMUTE)(noop)
+    with opcontracts.mode("strict"):
+        assert f(*good()) == "called"
+        with pytest.raises(ContractViolation):
+            f(*good()[:2], good()[2].float())
