@@ -8,7 +8,7 @@ Hot path of a guarded call (see ``make_guard``)::
     positional only? a learnt C++ metadata check matches?  # ``_memo``: ~230 ns for 3 tensors
           -> original(*args)
     fast(*args, **kwargs)                                  # generated, CPython binds the names
-    True? -> learn the signature (a few times), original(*args, **kwargs)
+    True? -> learn its signature (bounded), original(*args, **kwargs)
 
 Everything else (building the exception, finding the call site, warning, casting) is on the
 slow path in ``_violated`` and runs only when a rule failed.
@@ -513,19 +513,26 @@ def make_guard(fn: Callable[..., Any], cc: CompiledContract | None = None, *,
         return violated(m, cc, fn, args, kwargs)  # type: ignore[arg-type]  # built by now
 
     def remember(args: tuple[Any, ...]) -> None:
-        """Learn the metadata of a conforming call (slow path: a few microseconds, at most
-        ``2 * CAPACITY`` times per number of arguments)."""
+        """Learn the metadata of a conforming call that no learnt check matched (slow path:
+        ~4 us, at most ``CAPACITY`` times per number of arguments).  A miss once the memo is
+        full means the shapes keep changing: the memo would only add its misses to every
+        call, so it is dropped for good.  Calls that cannot be learnt (a positional None, a
+        list) stop the attempts after ``2 * CAPACITY``."""
         if values[0]:
             return
         n = len(args)
+        if len(seen.get(n, ())) >= _memo.CAPACITY:
+            with lock:
+                seen[n], tries[n] = (), 0
+            return
         static = any(r.kind == "contiguous" for r in cc.rules)  # type: ignore[union-attr]
         same = _memo.learn(args, static)
         with lock:
             have = seen.get(n, ())
-            if same is not None:
-                have = seen[n] = have + (same,)
-            left = tries.get(n, 2 * _memo.CAPACITY) - 1
-            tries[n] = left if len(have) < _memo.CAPACITY else 0
+            if same is None:
+                tries[n] = tries.get(n, 2 * _memo.CAPACITY) - 1
+            elif len(have) < _memo.CAPACITY:
+                seen[n] = have + (same,)
 
     try:
         functools.update_wrapper(guarded, fn)

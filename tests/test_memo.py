@@ -88,12 +88,25 @@ def test_other_sizes_that_conform_are_checked_then_learnt(counted):
     assert True in counted
 
 
-def test_memo_is_bounded_and_stays_correct():
+def test_memo_is_bounded():
     f = opcontracts.enforce(UNPERMUTE)(noop)
     with opcontracts.mode("strict"):
-        for n in range(1, 3 * _memo.CAPACITY):
-            f(*good(n, 2))
+        for _ in range(3):
+            for n in range(1, _memo.CAPACITY + 1):
+                f(*good(n, 2))
         assert len(f.__opcontracts_memo__[3]) == _memo.CAPACITY
+
+
+def test_ever_changing_shapes_drop_the_memo_for_good(counted):
+    f = opcontracts.enforce(UNPERMUTE)(noop)
+    with opcontracts.mode("strict"):
+        for n in range(1, _memo.CAPACITY + 2):
+            f(*good(n, 2))
+        assert f.__opcontracts_memo__[3] == ()
+        del counted[:]
+        f(*good(1, 2))
+        f(*good(1, 2))
+        assert counted == [] and f.__opcontracts_memo__[3] == ()
         with pytest.raises(ContractViolation):
             f(*good(1, 2)[:2], torch.zeros(1, 2))
 
