@@ -14,7 +14,10 @@ Dynamo traces the guard like any Python function, so the guard switches to this 
   ``ContractViolation`` eagerly (a graph break, only on a violating call); under
   ``fullgraph=True`` the violation is raised at trace time as dynamo's ``UserError`` with the
   ``ContractViolation`` as its ``__cause__``;
-* ``fix``: the plan lists the casts; ``.to(dtype)`` is traced into the graph.
+* ``fix``: the plan lists the casts (``_enforce.plan_fix``, the eager planner, run on the meta
+  tensors); ``.to(dtype)`` is traced into the graph.  An integer narrowing depends on the
+  values, which tracing does not have: that call is fixed eagerly by a ``torch.compiler.disable``-d
+  function (a graph break, only on such a call).
 
 Value checks need data and are not run under compile.
 """
@@ -31,7 +34,17 @@ import torch
 from . import _modes
 from ._callsite import find_call_site
 from ._compile import BY_KEY, FAST_BY_KEY, OP_BY_KEY
-from ._enforce import _Bound, _fix_target, _record_and_message, _warn, violation_from_raw
+from ._enforce import (
+    NeedsValues,
+    Repair,
+    _Bound,
+    _record_and_message,
+    _violated,
+    _warn,
+    fixed_message,
+    plan_fix,
+    violation_from_raw,
+)
 from .errors import ContractFixWarning, ContractViolation, ContractWarning
 
 __all__ = ["call"]
@@ -80,21 +93,25 @@ def _decide(key: int, mode: str, arg_metas: tuple[Any, ...], kw_metas: tuple[Any
     raw = cc.check(*args, **kwargs)
     if raw is None:
         return ("call",)
-    site = find_call_site(sys._getframe(1))
     m = _modes.parse_mode(mode)
+    b = _Bound(cc, tuple(args), kwargs)
+    if m is _modes.FIX:
+        try:
+            repairs = plan_fix(cc, b, raw)
+        except NeedsValues:  # an integer narrowing: only the values can say
+            return ("eager",)
+    else:
+        repairs = [Repair(raw, b.get(raw.rule.partner), None, None)]
+    site = find_call_site(sys._getframe(1))
     names = [p.name for p in cc.params]
     plan: list[tuple[Any, ...]] = []
-    for _ in range(16):
-        if raw is None:
-            break
-        partner = _Bound(cc, tuple(args), kwargs).get(raw.rule.partner)
-        exc = violation_from_raw(raw, site, partner)
-        target = _fix_target(raw, partner) if m is _modes.FIX and raw.rule.kind in ("dtype", "same_dtype") else None
+    for r in repairs:
+        exc = violation_from_raw(r.raw, site, r.partner)
         if m is _modes.WARN:
             msg, _ = _record_and_message(exc, site, m, False)
             _warn(exc, site, msg, ContractWarning)
             return ("call",)
-        if target is None and not (m is _modes.FIX and raw.rule.kind == "contiguous"):
+        if r.new is None:
             _record_and_message(exc, site, m, False)
             if _fullgraph():
                 from torch._dynamo.exc import UserError, UserErrorType
@@ -104,14 +121,12 @@ def _decide(key: int, mode: str, arg_metas: tuple[Any, ...], kw_metas: tuple[Any
             _pending[token] = exc
             return ("raise", token)
         msg, _ = _record_and_message(exc, site, m, True)
-        _warn(exc, site, f"{exc.op}: fixed argument '{exc.arg}' under torch.compile\n{msg}",
+        _warn(exc, site, f"{fixed_message(cc, r, exc)} (under torch.compile)\n{msg}",
               ContractFixWarning)
-        name = raw.rule.arg
+        name = r.raw.rule.arg
         where: Any = names.index(name) if name in names and names.index(name) < len(args) else name
-        step = (where, raw.index, target)  # target None means .contiguous()
-        plan.append(step)
-        _apply_step(args, kwargs, step, meta=True)
-        raw = cc.check(*args, **kwargs)
+        target = None if r.raw.rule.kind == "contiguous" else r.new.dtype  # None: .contiguous()
+        plan.append((where, r.raw.index, target))
     return ("fix", tuple(plan))
 
 
@@ -131,6 +146,13 @@ def _raise(token: int) -> None:
     raise _pending[token]
 
 
+def _eager_fix(key: int, fn: Callable[..., Any], args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> Any:
+    """``fix`` of a repair that depends on the values: done eagerly (a graph break, only on
+    such a call), exactly as outside torch.compile."""
+    return _violated(_modes.FIX, BY_KEY[key], fn, args, kwargs, depth=1)
+
+
 def _build(token: int) -> int:
     """Trace time: validate and compile a lazy guard's contract (plain Python, not traced)."""
     from ._enforce import _FACTORIES
@@ -144,6 +166,7 @@ import torch._dynamo  # noqa: E402
 
 _decide_c = torch._dynamo.assume_constant_result(_decide)
 _raise_c = torch.compiler.disable(_raise)
+_eager_fix_c = torch.compiler.disable(_eager_fix)
 _build_c = torch._dynamo.assume_constant_result(_build)
 
 
@@ -166,6 +189,8 @@ def call(key: int, fn: Callable[..., Any], args: tuple[Any, ...],
                      tuple((k, _meta(v)) for k, v in kwargs.items()))
     if plan[0] == "raise":
         _raise_c(plan[1])
+    elif plan[0] == "eager":
+        return _eager_fix_c(key, fn, args, kwargs)
     elif plan[0] == "fix":
         new_args, new_kwargs = list(args), dict(kwargs)
         for step in plan[1]:

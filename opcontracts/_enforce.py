@@ -22,7 +22,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -109,8 +109,14 @@ def _actual(raw: RawViolation) -> str:
     return f"has shape {_fmt_shape(v)}"
 
 
+class NeedsValues(Exception):
+    """An integer narrowing was asked of a tensor whose values cannot be read (a meta tensor,
+    while ``torch.compile`` traces): whether the values fit decides the repair."""
+
+
 def _fix_target(raw: RawViolation, partner_value: Any) -> torch.dtype | None:
-    """The dtype ``fix`` mode would cast to, or None if a cast cannot repair this."""
+    """The dtype ``fix`` mode would cast to, or None if a cast cannot repair this.
+    Raises ``NeedsValues`` for an integer narrowing of a meta tensor."""
     v, rule = raw.value, raw.rule
     spec = rule.arg_spec
     if not isinstance(v, torch.Tensor) or spec is None or spec.fix == "never":
@@ -134,6 +140,8 @@ def _fix_target(raw: RawViolation, partner_value: Any) -> torch.dtype | None:
             return None
         if v.numel() == 0:
             return ints[0]
+        if v.is_meta:
+            raise NeedsValues(raw.rule.arg)
         lo, hi = int(v.min()), int(v.max())
         for d in ints:
             dlo, dhi = int_range(d)
@@ -152,7 +160,10 @@ def _hint(raw: RawViolation, partner_value: Any) -> str | None:
     if rule.kind == "same_dtype":
         return f"{ref} = {ref}.to({rule.partner}.dtype)"
     if rule.kind == "dtype" and spec is not None and spec.dtype:
-        t = _fix_target(raw, partner_value)
+        try:
+            t = _fix_target(raw, partner_value)
+        except NeedsValues:
+            t = None
         if t is None:
             v = raw.value
             pick = [d for d in spec.dtype if isinstance(v, torch.Tensor)
@@ -374,17 +385,24 @@ def _replay(steps: list[tuple[str, int | None, str, Any]], b: _Bound) -> bool:
     return True
 
 
-def _fix_and_call(raw: RawViolation | None, cc: CompiledContract, fn: Callable[..., Any],
-                  b: _Bound, site: CallSite | None, ckey: tuple[Any, ...] | None = None) -> Any:
-    __tracebackhide__ = True
-    steps: list[tuple[str, int | None, str, Any]] | None = []
-    keys: list[tuple[str, str | None, str, str, str]] = []
-    messages: list[str] = []
+class Repair(NamedTuple):
+    """One step of ``fix`` mode's repair of a call."""
+
+    raw: RawViolation
+    partner: Any  # the value of the rule's partner argument when it broke
+    new: Any      # the repaired argument (or list element); None: nothing can repair it
+    step: tuple[str, int | None, str, Any] | None
+    """(name, index, "contiguous" | "cast" | "partner", dtype or partner name), replayable by
+    ``_replay``; None for an integer narrowing, which depends on the values"""
+
+
+def plan_fix(cc: CompiledContract, b: _Bound, raw: RawViolation) -> list[Repair]:
+    """Repair the call bound in ``b`` (in place: new containers, never a user tensor), rule by
+    rule, until it conforms; the last repair has ``new`` None when one cannot be repaired.
+    Shared by eager calls and by ``torch.compile``'s trace-time decision (on meta tensors,
+    where an integer narrowing raises ``NeedsValues``)."""
+    out: list[Repair] = []
     for _ in range(_FIX_ROUNDS):
-        if raw is None:
-            if ckey is not None and keys:
-                _cache(ckey, _SiteEntry(site, "\n".join(messages), ContractFixWarning, keys, steps))
-            return fn(*b.args, **b.kwargs)
         name = raw.rule.arg
         assert name is not None
         partner = b.get(raw.rule.partner)
@@ -398,31 +416,51 @@ def _fix_and_call(raw: RawViolation | None, cc: CompiledContract, fn: Callable[.
             target = _fix_target(raw, partner)
             if target is not None:
                 new = v.to(target)  # autograd-tracked; never in place
-                if not v.is_floating_point():
-                    steps = None  # integer narrowing depends on the values: never replayed
-                elif raw.rule.kind == "same_dtype":
+                if raw.rule.kind == "same_dtype":
                     step = (name, raw.index, "partner", raw.rule.partner)
-                else:
+                elif v.is_floating_point():
                     step = (name, raw.index, "cast", target)
-        exc = violation_from_raw(raw, site, partner)
+        out.append(Repair(raw, partner, new, step))
         if new is None:
+            return out
+        b.set(name, raw.index, new)
+        try:
+            nxt = cc.check(*b.args, **b.kwargs)
+        except TypeError:
+            nxt = None
+        if nxt is None:
+            return out
+        raw = nxt
+    raise RuntimeError(f"opcontracts: could not repair the call of {cc.contract.op}")  # pragma: no cover
+
+
+def fixed_message(cc: CompiledContract, r: Repair, exc: ContractViolation) -> str:
+    """The first line of a ``ContractFixWarning``: what was done to which argument."""
+    done = "contiguous" if r.raw.rule.kind == "contiguous" else dtype_name(r.new.dtype)
+    return f"{cc.contract.op}: fixed argument '{exc.arg}': {exc.actual.split(' (')[0]} -> {done} ({exc.fix})"
+
+
+def _fix_and_call(raw: RawViolation, cc: CompiledContract, fn: Callable[..., Any],
+                  b: _Bound, site: CallSite | None, ckey: tuple[Any, ...] | None = None) -> Any:
+    __tracebackhide__ = True
+    repairs = plan_fix(cc, b, raw)
+    keys: list[tuple[str, str | None, str, str, str]] = []
+    messages: list[str] = []
+    for r in repairs:
+        exc = violation_from_raw(r.raw, site, r.partner)
+        if r.new is None:
             _record_and_message(exc, site, _modes.FIX, False)
             raise exc
-        what = (f"{cc.contract.op}: fixed argument '{exc.arg}': {exc.actual.split(' (')[0]} -> "
-                + (f"{dtype_name(new.dtype)}" if raw.rule.kind != "contiguous" else "contiguous")
-                + f" ({exc.fix})")
         msg, _ = _record_and_message(exc, site, _modes.FIX, True)
+        what = fixed_message(cc, r, exc)
         keys.append((exc.op, exc.arg, exc.rule, str(site) if site else "?", _modes.FIX.value))
         messages.append(what + "\n" + msg)
         _warn(exc, site, what + "\n" + msg, ContractFixWarning)
-        if steps is not None and step is not None:
-            steps.append(step)
-        b.set(name, raw.index, new)
-        try:
-            raw = cc.check(*b.args, **b.kwargs)
-        except TypeError:
-            raw = None
-    raise RuntimeError(f"opcontracts: could not repair the call of {cc.contract.op}")  # pragma: no cover
+    steps = [r.step for r in repairs if r.step is not None]
+    if ckey is not None and keys:
+        _cache(ckey, _SiteEntry(site, "\n".join(messages), ContractFixWarning, keys,
+                                steps if len(steps) == len(repairs) else None))
+    return fn(*b.args, **b.kwargs)
 
 
 # --------------------------------------------------------------------------- the guard

@@ -156,3 +156,38 @@ def test_patched_op_first_called_under_compile(patched_emulation):
         with pytest.raises(ContractViolation) as ei:
             torch.compile(f, backend="eager")(probs.float())
     assert ei.value.arg == "probs" and ei.value.fix == "probs = probs.to(torch.bfloat16)"
+
+
+NARROW = Contract("cnarrow", {"idx": Arg("int32", "M", fix="cast")}, source="test")
+
+
+@opcontracts.enforce(NARROW)
+def shift(idx):
+    return idx + 1
+
+
+def gather_step(idx):
+    return shift(idx) * 2
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_strict_on_a_narrowable_integer_argument_raises_the_violation(fullgraph):
+    # the hint ("idx.to(torch.int32)") once read the values of the meta tensor seen while tracing
+    g = torch.compile(gather_step, backend="eager", fullgraph=fullgraph)
+    with opcontracts.mode("strict"), pytest.raises(Exception) as ei:
+        g(torch.arange(4))
+    exc = ei.value if isinstance(ei.value, ContractViolation) else ei.value.__cause__
+    assert isinstance(exc, ContractViolation) and exc.fix == "idx = idx.to(torch.int32)"
+
+
+def test_fix_narrowing_integers_under_compile_reads_the_values_eagerly():
+    g = torch.compile(gather_step, backend="eager")
+    with opcontracts.mode("fix"), warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        out = g(torch.arange(4))
+        with pytest.raises(ContractViolation, match="idx"):
+            g(torch.tensor([0, 2**40, 1, 2]))  # does not fit in int32: nothing can repair it
+    assert out.dtype is torch.int32 and out.tolist() == [2, 4, 6, 8]
+    assert any(issubclass(x.category, opcontracts.ContractFixWarning) for x in w)
+    recs = [r for r in opcontracts.report().records if r.op == "cnarrow"]
+    assert sum(r.fixed for r in recs) >= 1
