@@ -559,12 +559,14 @@ def make_guard(fn: Callable[..., Any], cc: CompiledContract | None = None, *,
         if values[0]:
             return
         n = len(args)
-        if len(seen.get(n, ())) >= _memo.CAPACITY:
-            with lock:
-                seen[n], tries[n] = (), 0
-            return
-        static = any(r.kind == "contiguous" for r in cc.rules)  # type: ignore[union-attr]
-        same = _memo.learn(args, static)
+        same = None
+        if _memo.learnable(args):
+            if len(seen.get(n, ())) >= _memo.CAPACITY:
+                with lock:
+                    seen[n], tries[n] = (), 0
+                return
+            static = any(r.kind == "contiguous" for r in cc.rules)  # type: ignore[union-attr]
+            same = _memo.learn(args, static)
         with lock:
             have = seen.get(n, ())
             if same is None:

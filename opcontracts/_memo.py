@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CAPACITY", "available", "learn"]
+__all__ = ["CAPACITY", "available", "learn", "learnable"]
 
 CAPACITY = 8
 """signatures remembered per guard and number of positional arguments"""
@@ -78,15 +78,22 @@ def available() -> bool:
     return ok
 
 
+def learnable(args: tuple[Any, ...]) -> bool:
+    """Whether ``args`` are all plain dense tensors (what a learnt check can describe)."""
+    if not args or not available():
+        return False
+    for t in args:
+        if type(t) not in _PLAIN or t.layout is not torch.strided or t.is_nested:
+            return False
+    return True
+
+
 def learn(args: tuple[Any, ...], static_strides: bool) -> Check | None:
     """A C++ check that passes exactly the calls whose positional arguments have the type,
     dtype, sizes, device and autograd state of ``args`` (and their strides when
     ``static_strides``); None when ``args`` are not all plain dense tensors."""
-    if not args or not available():
+    if not learnable(args):
         return None
-    for t in args:
-        if type(t) not in _PLAIN or t.layout is not torch.strided or t.is_nested:
-            return None
     try:
         return _build(args, static_strides)
     except Exception:  # symbolic sizes, exotic devices: not memoised

@@ -97,6 +97,16 @@ def test_memo_is_bounded():
         assert len(f.__opcontracts_memo__[3]) == _memo.CAPACITY
 
 
+def test_a_call_that_cannot_be_learnt_does_not_drop_a_full_memo():
+    f = opcontracts.enforce(UNPERMUTE)(noop)
+    for n in range(1, _memo.CAPACITY + 1):
+        f(*good(n, 2))
+    t, i, _ = good(1, 2)
+    for _ in range(3 * _memo.CAPACITY):
+        f(t, i, None)
+    assert len(f.__opcontracts_memo__[3]) == _memo.CAPACITY
+
+
 def test_ever_changing_shapes_drop_the_memo_for_good(counted):
     f = opcontracts.enforce(UNPERMUTE)(noop)
     with opcontracts.mode("strict"):
