@@ -275,7 +275,7 @@ def _record_and_message(exc: ContractViolation, site: CallSite | None, m: _modes
 class _SiteEntry:
     """What a repeated violation at one call site needs: no frame walk, no message, no bind."""
 
-    __slots__ = ("site", "message", "category", "keys", "steps", "registry")
+    __slots__ = ("site", "message", "category", "keys", "steps", "registry", "same", "casts")
 
     def __init__(self, site: CallSite | None, message: str, category: type[Warning],
                  keys: list[tuple[str, str | None, str, str, str]],
@@ -286,6 +286,12 @@ class _SiteEntry:
         self.keys = keys
         self.steps = steps
         self.registry: dict[Any, Any] | None = None
+        # ``fix``: a C++ check of the metadata of the call the repair was planned for (see
+        # ``_memo``) and the repair as (position, dtype or None for .contiguous()): a call with
+        # the same metadata needs exactly these casts and then conforms, so neither the
+        # binding nor the re-check is needed
+        self.same: Callable[..., bool] | None = None
+        self.casts: tuple[tuple[int, torch.dtype | None], ...] = ()
 
 
 _site_cache: dict[tuple[Any, ...], _SiteEntry] = {}
@@ -330,6 +336,14 @@ def _violated(m: _modes.Mode, cc: CompiledContract, fn: Callable[..., Any],
     caller = sys._getframe(depth)
     if m is _modes.FIX:
         entry = _site_cache.get((cc.key, caller.f_code, caller.f_lineno, m))
+        if entry is not None and entry.same is not None and not kwargs \
+                and not (cc.has_values and _values.ENABLED[0]) and entry.same(*args):
+            new = list(args)
+            for i, target in entry.casts:
+                new[i] = new[i].contiguous() if target is None else new[i].to(target)
+            bump(entry.keys, fixed=True)
+            _emit(entry)
+            return fn(*new)
         if entry is not None and entry.steps is not None:
             b = _Bound(cc, args, kwargs)
             if _replay(entry.steps, b) and cc.fast is not None and cc.fast(*b.args, **b.kwargs) is True:
@@ -458,9 +472,30 @@ def _fix_and_call(raw: RawViolation, cc: CompiledContract, fn: Callable[..., Any
         _warn(exc, site, what + "\n" + msg, ContractFixWarning)
     steps = [r.step for r in repairs if r.step is not None]
     if ckey is not None and keys:
-        _cache(ckey, _SiteEntry(site, "\n".join(messages), ContractFixWarning, keys,
-                                steps if len(steps) == len(repairs) else None))
+        entry = _SiteEntry(site, "\n".join(messages), ContractFixWarning, keys,
+                           steps if len(steps) == len(repairs) else None)
+        if entry.steps is not None and not b.kwargs and not (cc.has_values and _values.ENABLED[0]):
+            _learn_repair(entry, cc, b, repairs)
+        _cache(ckey, entry)
     return fn(*b.args, **b.kwargs)
+
+
+def _learn_repair(entry: _SiteEntry, cc: CompiledContract, b: _Bound, repairs: list[Repair]) -> None:
+    """Give a cached ``fix`` entry the metadata check of the call it was planned for, when the
+    repair is a plain series of casts of positional tensors (no list element, no keyword)."""
+    pos = _positions(cc)
+    casts: list[tuple[int, torch.dtype | None]] = []
+    args = list(b.args)
+    for r in reversed(repairs):  # undo, last first, to get the call as it came
+        name = r.raw.rule.arg
+        i = pos.get(name or "", -1)
+        if r.raw.index is not None or not 0 <= i < len(args):
+            return
+        casts.append((i, None if r.raw.rule.kind == "contiguous" else r.new.dtype))
+        args[i] = r.raw.value
+    static = any(r.kind == "contiguous" for r in cc.rules)
+    entry.same = _memo.learn(tuple(args), static)
+    entry.casts = tuple(reversed(casts))
 
 
 # --------------------------------------------------------------------------- the guard

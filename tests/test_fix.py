@@ -164,3 +164,43 @@ def test_repeated_fixes_at_one_site_replay_and_fall_back_correctly():
         torch.testing.assert_close(o, outs[0])
     recs = {r.arg: r for r in opcontracts.report().records}
     assert recs["probs"].fixed == 3 and recs["indices"].fixed == 1
+
+
+def test_same_metadata_at_one_site_takes_the_learnt_repair():
+    from opcontracts._enforce import _site_cache
+
+    tokens, idx, probs = inputs()
+    seen.clear()
+    with opcontracts.mode("fix"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        outs = []
+        for _ in range(3):
+            p = probs.detach().clone().requires_grad_()
+            outs.append((unpermute(tokens, idx, p), p))  # one call site, same metadata
+    entries = [e for e in _site_cache.values() if e.same is not None]
+    assert len(entries) == 1 and entries[0].casts == ((2, torch.bfloat16),)
+    assert seen == [torch.bfloat16] * 3
+    for o, p in outs:
+        torch.testing.assert_close(o, outs[0][0])
+        o.float().sum().backward()  # the replayed cast is autograd-tracked
+        assert p.grad is not None and p.dtype is torch.float32  # the caller's tensor untouched
+    rec = next(r for r in opcontracts.report().records if r.arg == "probs")
+    assert rec.count == 3 and rec.fixed == 3
+
+
+def test_learnt_repair_is_not_taken_for_other_metadata():
+    contig = opcontracts.enforce(Contract("fix_contig", {
+        "x": Arg("fp32", "M N", contiguous=True), "w": Arg("fp32", "N")}))(
+        lambda x, w: (x.is_contiguous(), x.dtype, w.dtype))
+    x = torch.zeros(4, 6)
+    with opcontracts.mode("fix"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = [contig(a, w) for a, w in [
+            (x.t(), torch.zeros(4)),                     # copied to contiguous
+            (x.t(), torch.zeros(4)),                     # the same: learnt repair
+            (x.double().t(), torch.zeros(4)),            # another dtype: cast and copy
+            (torch.zeros(6, 4), torch.zeros(4).half()),  # contiguous already, w cast
+        ]]
+    assert got == [(True, torch.float32, torch.float32)] * 4
+    with opcontracts.mode("fix"), pytest.raises(ContractViolation):
+        contig(torch.zeros(6, 4).t(), torch.zeros(5))  # shape: nothing can repair it
