@@ -5,8 +5,8 @@ Hot path of a guarded call (see ``make_guard``)::
     state = ContextVar.get() or the process-wide state    # ~40 ns
     mode  = state.default (or a per-op override)           # one attribute load when none
     off?  -> original(*args, **kwargs)
-    positional only? a learnt C++ metadata check matches?  # ``_memo``: ~230 ns for 3 tensors
-          -> original(*args)
+    a check learnt from an earlier conforming call matches?  # ``_memo``: ~230 ns, 3 tensors
+          -> original(*args, **kwargs)
     fast(*args, **kwargs)                                  # generated, CPython binds the names
     True? -> learn its signature (bounded), original(*args, **kwargs)
 
@@ -530,10 +530,10 @@ def make_guard(fn: Callable[..., Any], cc: CompiledContract | None = None, *,
     lock = threading.Lock()
     token = -1
     fast: Callable[..., Any]
-    # the signature memo (``_memo``): per number of positional arguments, C++ checks of tensor
-    # metadata already seen to conform; tuples, replaced whole, so readers need no lock
-    seen: dict[int, tuple[Callable[..., bool], ...]] = {}
-    tries: dict[int, int] = {}  # learning attempts left; 0 once full or hopeless
+    # the signature memo (``_memo``): per call shape, checks of calls already seen to conform
+    # (C++ for the tensors' metadata); tuples, replaced whole, so readers need no lock
+    seen: dict[Any, tuple[Callable[..., bool], ...]] = {}
+    tries: dict[Any, int] = {}  # learning attempts left; 0 once full or hopeless
     values: Sequence[bool] = (False,)  # the value-check switch when the contract has value rules
 
     def bootstrap(*args: Any, **kwargs: Any) -> Any:
@@ -571,43 +571,48 @@ def make_guard(fn: Callable[..., Any], cc: CompiledContract | None = None, *,
         m = s.by_op.get(op, s.default) if s.by_op else s.default
         if m is OFF:
             return fn(*args, **kwargs)
-        if not kwargs and not values[0]:
-            for same in seen.get(len(args), ()):  # C++: same types, dtypes, sizes, devices
-                if same(*args):
-                    return fn(*args)
+        # the call's shape: how many positional arguments, which keywords in which order
+        shape = (len(args), *kwargs) if kwargs else len(args)
+        if not values[0]:
+            for same in seen.get(shape, ()):  # C++: same types, dtypes, sizes, devices
+                if same(*args, **kwargs):
+                    return fn(*args, **kwargs)
         try:
             ok = fast(*args, **kwargs)  # the optimistic straight-line check
         except TypeError:  # the arguments do not even bind: let the original say so
             return fn(*args, **kwargs)
         if ok is True:
-            if not kwargs and tries.get(len(args), 1):
-                remember(args)
+            if tries.get(shape, 1):
+                remember(shape, args, kwargs)
             return fn(*args, **kwargs)
         return violated(m, cc, fn, args, kwargs)  # type: ignore[arg-type]  # built by now
 
-    def remember(args: tuple[Any, ...]) -> None:
-        """Learn the metadata of a conforming call that no learnt check matched (slow path:
-        ~4 us, at most ``CAPACITY`` times per number of arguments).  A miss once the memo is
-        full means the shapes keep changing: the memo would only add its misses to every
-        call, so it is dropped for good.  Calls that cannot be learnt (a positional None, a
-        list) stop the attempts after ``2 * CAPACITY``."""
+    def remember(shape: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Learn a conforming call that no learnt check matched (slow path: ~5-50 us, at most
+        ``CAPACITY`` times per call shape, for at most ``SHAPES`` shapes).  A miss once the
+        memo is full means the sizes keep changing: the memo would only add its misses to every
+        call, so it is dropped for good.  Calls it cannot describe (a list argument) stop the
+        attempts after ``2 * CAPACITY``."""
         if values[0]:
             return
-        n = len(args)
         same = None
-        if _memo.learnable(args):
-            if len(seen.get(n, ())) >= _memo.CAPACITY:
+        if _memo.learnable(args, kwargs):
+            if len(seen.get(shape, ())) >= _memo.CAPACITY:
                 with lock:
-                    seen[n], tries[n] = (), 0
+                    seen[shape], tries[shape] = (), 0
+                return
+            if shape not in seen and len(seen) >= _memo.SHAPES:
+                with lock:
+                    tries[shape] = 0
                 return
             static = any(r.kind == "contiguous" for r in cc.rules)  # type: ignore[union-attr]
-            same = _memo.learn(args, static)
+            same = _memo.learn(args, static, kwargs)
         with lock:
-            have = seen.get(n, ())
+            have = seen.get(shape, ())
             if same is None:
-                tries[n] = tries.get(n, 2 * _memo.CAPACITY) - 1
+                tries[shape] = tries.get(shape, 2 * _memo.CAPACITY) - 1
             elif len(have) < _memo.CAPACITY:
-                seen[n] = have + (same,)
+                seen[shape] = have + (same,)
 
     try:
         functools.update_wrapper(guarded, fn)

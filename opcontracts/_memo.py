@@ -22,16 +22,21 @@ signature) leaves the memo off and the generated checker does all the work.
 
 from __future__ import annotations
 
+import itertools
+import keyword
+import linecache
 import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["CAPACITY", "available", "learn", "learnable"]
+__all__ = ["CAPACITY", "SHAPES", "available", "learn", "learnable"]
 
 CAPACITY = 8
-"""signatures remembered per guard and number of positional arguments"""
+"""signatures remembered per guard and call shape"""
+SHAPES = 16
+"""call shapes (positional count, keywords in order) learnt per guard"""
 
 Check = Callable[..., bool]
 
@@ -78,23 +83,61 @@ def available() -> bool:
     return ok
 
 
-def learnable(args: tuple[Any, ...]) -> bool:
-    """Whether ``args`` are all plain dense tensors (what a learnt check can describe)."""
-    if not args or not available():
+_CONSTANTS = (bool, int, float, str)  # compared by exact type and value
+_counter = itertools.count()
+
+
+def _describable(v: Any) -> bool:
+    if v is None or type(v) in _CONSTANTS:
+        return v == v  # not NaN
+    return type(v) in _PLAIN and v.layout is torch.strided and not v.is_nested
+
+
+def learnable(args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> bool:
+    """Whether a learnt check can describe this call: every argument a plain dense tensor,
+    None, or a bool, int, float or str constant, and at least one tensor."""
+    if not available():
         return False
-    for t in args:
-        if type(t) not in _PLAIN or t.layout is not torch.strided or t.is_nested:
-            return False
-    return True
+    values = (*args, *kwargs.values()) if kwargs else args
+    return (all(_describable(v) for v in values)
+            and any(type(v) in _PLAIN for v in values))
 
 
-def learn(args: tuple[Any, ...], static_strides: bool) -> Check | None:
-    """A C++ check that passes exactly the calls whose positional arguments have the type,
-    dtype, sizes, device and autograd state of ``args`` (and their strides when
-    ``static_strides``); None when ``args`` are not all plain dense tensors."""
-    if not learnable(args):
+def learn(args: tuple[Any, ...], static_strides: bool,
+          kwargs: dict[str, Any] | None = None) -> Check | None:
+    """A check, called as ``check(*args, **kwargs)``, that passes exactly the calls of this
+    shape (the same number of positional arguments, the same keywords in the same order) whose
+    tensors have the type, dtype, sizes, device and autograd state of these (and their strides
+    when ``static_strides``) and whose other arguments are these constants; None when
+    ``learnable`` says no.  For all-tensor positional calls it is the C++ check itself;
+    otherwise a small generated function (in ``linecache``) that compares the constants and
+    hands the tensors to the C++ check."""
+    if not learnable(args, kwargs):
+        return None
+    kwargs = kwargs or {}
+    if not all(k.isidentifier() and not keyword.iskeyword(k) and not k.startswith("_")
+               for k in kwargs):
         return None
     try:
-        return _build(args, static_strides)
-    except Exception:  # symbolic sizes, exotic devices: not memoised
+        if not kwargs and all(type(a) in _PLAIN for a in args):
+            return _build(args, static_strides)
+        names = [f"_{i}" for i in range(len(args))] + [f"{k}" for k in kwargs]
+        values = [*args, *kwargs.values()]
+        tensors = [(n, v) for n, v in zip(names, values) if type(v) in _PLAIN]
+        ns: dict[str, Any] = {"_same": _build(tuple(v for _, v in tensors), static_strides)}
+        tests = []
+        for n, v in zip(names, values):
+            if v is None or type(v) is bool:
+                tests.append(f"{n} is {v!r}")
+            elif type(v) in _CONSTANTS:
+                ns[f"_c{n}"] = v
+                tests.append(f"type({n}) is {type(v).__name__} and {n} == _c{n}")
+        tests.append(f"_same({', '.join(n for n, _ in tensors)})")
+        params = ", ".join(names[:len(args)]) + (", *, " + ", ".join(names[len(args):]) if kwargs else "")
+        src = f"def same({params}):\n    return {' and '.join(tests)}\n"
+        filename = f"<opcontracts memo #{next(_counter)}>"
+        exec(compile(src, filename, "exec"), ns)
+        linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
+        return ns["same"]  # type: ignore[no-any-return]
+    except Exception:  # symbolic sizes, exotic devices, a keyword that is no identifier
         return None

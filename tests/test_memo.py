@@ -20,7 +20,7 @@ UNPERMUTE = Contract("memo_unpermute", {
 })
 
 
-def noop(permuted_tokens, sorted_indices, probs=None):
+def noop(permuted_tokens, sorted_indices, probs=None, restore_shape=None):
     return "called"
 
 
@@ -35,13 +35,13 @@ def counted(monkeypatch):
     hits: list[int] = []
     real = _memo.learn
 
-    def learn(args, static):
-        check = real(args, static)
+    def learn(args, static, kwargs=None):
+        check = real(args, static, kwargs)
         if check is None:
             return None
 
-        def counting(*a):
-            ok = check(*a)
+        def counting(*a, **k):
+            ok = check(*a, **k)
             hits.append(ok)
             return ok
         return counting
@@ -100,11 +100,10 @@ def test_memo_is_bounded():
 def test_a_call_that_cannot_be_learnt_does_not_drop_a_full_memo():
     f = opcontracts.enforce(UNPERMUTE)(noop)
     for n in range(1, _memo.CAPACITY + 1):
-        f(*good(n, 2))
-    t, i, _ = good(1, 2)
+        f(*good(n, 2), None)
     for _ in range(3 * _memo.CAPACITY):
-        f(t, i, None)
-    assert len(f.__opcontracts_memo__[3]) == _memo.CAPACITY
+        f(*good(1, 2), [2, 8])  # a list: not described by a learnt check
+    assert len(f.__opcontracts_memo__[4]) == _memo.CAPACITY
 
 
 def test_ever_changing_shapes_drop_the_memo_for_good(counted):
@@ -133,19 +132,49 @@ def test_memo_holds_no_tensor():
     assert all(r() is None for r in refs)
 
 
-def test_keyword_calls_and_non_tensor_arguments_are_always_checked():
+def test_keywords_and_constants_are_part_of_the_learnt_call(counted):
     f = opcontracts.enforce(UNPERMUTE)(noop)
     t, i, p = good()
     with opcontracts.mode("strict"):
-        f(t, i, None)
-        f(t, i, None)
-        f(t, i, probs=p)
-        f(t, i, probs=p)
-        assert f.__opcontracts_memo__ == {}
+        for _ in range(2):
+            f(t, i, None)
+            f(t, i, probs=p)
+            f(t, i, p, restore_shape=None)
+            f(t, i, p, 7)
+        assert counted == [True] * 4
+        assert set(f.__opcontracts_memo__) == {3, (2, "probs"), (3, "restore_shape"), 4}
         with pytest.raises(ContractViolation):
             f(t, i, probs=p.float())
         with pytest.raises(ContractViolation):
             f(t, i.long(), None)
+        with pytest.raises(ContractViolation):
+            f(t, i, p.float(), restore_shape=None)
+        del counted[:]
+        # other constants than the learnt ones: not matched (the check learns them in turn)
+        f(t, i, p, 8)
+        f(t, i, p, 7.0)
+        f(t, i, p, True)
+        f(t, i, p, restore_shape=1)
+    assert True not in counted
+
+
+def test_nan_and_objects_are_not_learnt():
+    f = opcontracts.enforce(UNPERMUTE)(noop)
+    f(*good(), float("nan"))
+    f(*good(), object())
+    f(*good(), restore_shape=[1, 2])
+    assert f.__opcontracts_memo__ == {}
+
+
+def test_learnt_checks_are_readable_generated_code():
+    import inspect
+
+    f = opcontracts.enforce(UNPERMUTE)(noop)
+    t, i, p = good()
+    f(t, i, None, restore_shape=3)
+    src = inspect.getsource(f.__opcontracts_memo__[(3, "restore_shape")][0])
+    assert "_2 is None" in src and "restore_shape == _crestore_shape" in src
+    assert "_same(_0, _1)" in src
 
 
 def test_contiguity_rules_pin_strides():
