@@ -571,12 +571,19 @@ def make_guard(fn: Callable[..., Any], cc: CompiledContract | None = None, *,
         m = s.by_op.get(op, s.default) if s.by_op else s.default
         if m is OFF:
             return fn(*args, **kwargs)
-        # the call's shape: how many positional arguments, which keywords in which order
-        shape = (len(args), *kwargs) if kwargs else len(args)
-        if not values[0]:
-            for same in seen.get(shape, ()):  # C++: same types, dtypes, sizes, devices
-                if same(*args, **kwargs):
-                    return fn(*args, **kwargs)
+        # learnt checks are kept by call shape: how many positional arguments, which keywords
+        if not kwargs:  # the common case first: no dict unpacking, an int key
+            shape: Any = len(args)
+            if not values[0]:
+                for same in seen.get(shape, ()):  # C++: same types, dtypes, sizes, devices
+                    if same(*args):
+                        return fn(*args)
+        else:
+            shape = (len(args), *kwargs)
+            if not values[0]:
+                for same in seen.get(shape, ()):
+                    if same(*args, **kwargs):
+                        return fn(*args, **kwargs)
         try:
             ok = fast(*args, **kwargs)  # the optimistic straight-line check
         except TypeError:  # the arguments do not even bind: let the original say so
