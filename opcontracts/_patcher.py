@@ -61,6 +61,13 @@ class PatchRecord:
                 delattr(self.owner, self.attr)
             except AttributeError:
                 pass
+            # a torch.ops namespace lists the packets it created; one it no longer holds must
+            # go from that list too, or torch's walks over the namespace (torch.export's
+            # decomposition table, built by aot_eager and inductor) fail on the name
+            listed = getattr(self.owner, "_dir", None) \
+                if isinstance(self.owner, torch._ops._OpNamespace) else None
+            if isinstance(listed, list):
+                listed[:] = [n for n in listed if n != self.attr]
         else:
             setattr(self.owner, self.attr, self.original)
 

@@ -389,3 +389,15 @@ def test_unpatch_restores_the_emulated_ops_identically(emulated_patch):
     assert torch_npu.npu_moe_token_unpermute is originals[0]
     assert torch.ops.npu.npu_moe_token_unpermute is originals[1]
     assert ms_mod.npu_moe_token_unpermute is originals[2]
+
+
+def test_unpatch_leaves_the_op_namespace_walkable(emulated_patch):
+    # torch.export's decomposition table (built by aot_eager and inductor) walks every listed
+    # op of every namespace; a packet the patch created and unpatch removed must not stay listed
+    import torch_npu  # noqa: F401
+
+    patch.unpatch()
+    ns = torch.ops.npu
+    # what torch's own Library._destroy keeps true: a listed op is a held packet (once the
+    # emulation is uninstalled, a name listed but not held is an AttributeError in that walk)
+    assert list(ns) and set(ns) <= set(vars(ns))
