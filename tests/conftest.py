@@ -23,3 +23,22 @@ def _clean_opcontracts_state() -> Iterator[None]:
     _modes.clear_overrides()
     opcontracts.reset_report()
     _enforce.reset_warnings()
+
+
+@pytest.fixture(autouse=True)
+def _registry_restored() -> Iterator[None]:
+    """Contracts a test registers do not outlive it (``opcontracts list`` counts them all)."""
+    from opcontracts import _registry
+
+    with _registry._lock:
+        before = {op: list(cs) for op, cs in _registry._by_op.items()}
+        loaded = _registry._shipped_loaded
+    yield
+    with _registry._lock:
+        now = {op: list(cs) for op, cs in _registry._by_op.items()}
+        if {op: [id(c) for c in cs] for op, cs in now.items()} != \
+                {op: [id(c) for c in cs] for op, cs in before.items()}:
+            _registry._by_op.clear()
+            _registry._by_op.update(before)
+            _registry._shipped_loaded = loaded
+            _registry._resolved.clear()

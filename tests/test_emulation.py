@@ -79,6 +79,18 @@ def _leftovers() -> list[str]:
     return found
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _no_patch() -> Iterator[None]:
+    """These tests call the raw emulated ops (misreading included): no guards in the way."""
+    patch = sys.modules.get("opcontracts.patch")
+    applied = patch is not None and patch.is_applied()
+    if applied:
+        patch.unpatch()
+    yield
+    if applied:
+        patch.apply()
+
+
 @pytest.fixture(autouse=True)
 def _clean_process() -> Iterator[None]:
     yield

@@ -401,3 +401,22 @@ def test_unpatch_leaves_the_op_namespace_walkable(emulated_patch):
     # what torch's own Library._destroy keeps true: a listed op is a held packet (once the
     # emulation is uninstalled, a name listed but not held is an AttributeError in that walk)
     assert list(ns) and set(ns) <= set(vars(ns))
+
+
+def test_uninstalling_the_emulation_under_the_patch_leaves_no_stale_record(clean_patch):
+    from opcontracts import emulation
+
+    if emulation.installed():
+        pytest.skip("the emulation is installed for the whole session")
+    patch.apply()
+    emulation.install()
+    try:
+        import torch_npu  # noqa: F401
+
+        assert any(r.target.startswith("torch_npu.") for r in patch.patched())
+    finally:
+        emulation.uninstall()
+    assert patch.is_applied()
+    gone = ("torch_npu.", "torch.ops.npu.", "mindspeed.")
+    assert [r.target for r in patch.patched() if r.target.startswith(gone)] == []
+    assert set(torch.ops.npu) <= set(vars(torch.ops.npu))

@@ -73,8 +73,25 @@ def uninstall() -> None:
     """Undo :func:`install`: drop the stand-in modules, the finder and the ``npu`` ops.
 
     References to stand-in modules or op packets taken earlier go stale (calling them fails).
-    A no-op when not installed.
+    A no-op when not installed.  When ``opcontracts.patch`` is applied, its guards on the
+    emulated ops are removed first (restoring onto live objects) and the patch is applied
+    again afterwards, so it holds no record of an object that is gone.
     """
+    global _lib, _finder
+    if _lib is None and _finder is None:
+        return
+    patch = sys.modules.get("opcontracts.patch")  # never imported from here
+    if patch is None or not patch.is_applied():
+        _drop()
+        return
+    patch.unpatch()
+    try:
+        _drop()
+    finally:
+        patch.apply()
+
+
+def _drop() -> None:
     global _lib, _finder
     with _lock:
         if _finder is not None:
