@@ -130,7 +130,7 @@ def _decide(key: int, mode: str, arg_metas: tuple[Any, ...], kw_metas: tuple[Any
     return ("fix", tuple(plan))
 
 
-def _apply_step(args: list[Any], kwargs: dict[str, Any], step: tuple[Any, ...], meta: bool = False) -> None:
+def _apply_step(args: list[Any], kwargs: dict[str, Any], step: tuple[Any, ...]) -> None:
     where, index, target = step
     container: Any = args if isinstance(where, int) else kwargs
     v = container[where]

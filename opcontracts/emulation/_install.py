@@ -77,7 +77,6 @@ def uninstall() -> None:
     emulated ops are removed first (restoring onto live objects) and the patch is applied
     again afterwards, so it holds no record of an object that is gone.
     """
-    global _lib, _finder
     if _lib is None and _finder is None:
         return
     patch = sys.modules.get("opcontracts.patch")  # never imported from here
