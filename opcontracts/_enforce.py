@@ -337,7 +337,7 @@ def _violated(m: _modes.Mode, cc: CompiledContract, fn: Callable[..., Any],
     if m is _modes.FIX:
         entry = _site_cache.get((cc.key, caller.f_code, caller.f_lineno, m))
         if entry is not None and entry.same is not None and not kwargs \
-                and not (cc.has_values and _values.ENABLED[0]) and entry.same(*args):
+                and not _values_switch(cc)[0] and entry.same(*args):
             new = list(args)
             for i, target in entry.casts:
                 new[i] = new[i].contiguous() if target is None else new[i].to(target)
@@ -474,7 +474,7 @@ def _fix_and_call(raw: RawViolation, cc: CompiledContract, fn: Callable[..., Any
     if ckey is not None and keys:
         entry = _SiteEntry(site, "\n".join(messages), ContractFixWarning, keys,
                            steps if len(steps) == len(repairs) else None)
-        if entry.steps is not None and not b.kwargs and not (cc.has_values and _values.ENABLED[0]):
+        if entry.steps is not None and not b.kwargs and not _values_switch(cc)[0]:
             _learn_repair(entry, cc, b, repairs)
         _cache(ckey, entry)
     return fn(*b.args, **b.kwargs)
@@ -493,8 +493,7 @@ def _learn_repair(entry: _SiteEntry, cc: CompiledContract, b: _Bound, repairs: l
             return
         casts.append((i, None if r.raw.rule.kind == "contiguous" else r.new.dtype))
         args[i] = r.raw.value
-    static = any(r.kind == "contiguous" for r in cc.rules)
-    entry.same = _memo.learn(tuple(args), static)
+    entry.same = _memo.learn(tuple(args), _pins_strides(cc))
     entry.casts = tuple(reversed(casts))
 
 
@@ -612,8 +611,7 @@ def make_guard(fn: Callable[..., Any], cc: CompiledContract | None = None, *,
                 with lock:
                     tries[shape] = 0
                 return
-            static = any(r.kind == "contiguous" for r in cc.rules)  # type: ignore[union-attr]
-            same = _memo.learn(args, static, kwargs)
+            same = _memo.learn(args, _pins_strides(cc), kwargs)  # type: ignore[arg-type]
         with lock:
             have = seen.get(shape, ())
             if same is None:
@@ -640,6 +638,11 @@ def make_guard(fn: Callable[..., Any], cc: CompiledContract | None = None, *,
     guarded.__opcontracts_op__ = op  # type: ignore[attr-defined]
     guarded.__opcontracts_memo__ = seen  # type: ignore[attr-defined]  # for tests and debugging
     return guarded
+
+
+def _pins_strides(cc: CompiledContract) -> bool:
+    """Whether a learnt check must pin strides too (a ``contiguous`` rule reads them)."""
+    return any(r.kind == "contiguous" for r in cc.rules)
 
 
 def _values_switch(cc: CompiledContract) -> Sequence[bool]:
