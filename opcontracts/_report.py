@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -132,6 +132,11 @@ def table_lines(records: Iterable[Record]) -> list[str]:
         ranks = ",".join(map(str, sorted(r.ranks))) if r.ranks else "-"
         mode = f"{r.mode} ({r.fixed} fixed)" if r.fixed else r.mode
         rows.append((r.op, r.arg or "-", r.rule, mode, str(r.count), ranks, r.call_site))
+    return aligned(rows)
+
+
+def aligned(rows: Sequence[Sequence[str]]) -> list[str]:
+    """Rows of cells as left-aligned columns, a rule under the first (header) row."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = []
     for j, row in enumerate(rows):

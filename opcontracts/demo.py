@@ -41,6 +41,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ._report import aligned
+
 __all__ = ["DemoResult", "Scenario", "format_table", "main", "run", "run_demo"]
 
 PROFILE = "incident"
@@ -418,13 +420,7 @@ def format_table(result: DemoResult) -> str:
                                      _fmt(sc.max_abs_diff, ".3g"), _fmt(sc.rel_err, ".2g"))
         rows.append((sc.name, sc.mode or "-", loss, norm, nonf, diff, rel,
                      ("ok: " if sc.ok else "UNEXPECTED: ") + sc.verdict))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = []
-    for j, r in enumerate(rows):
-        lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-        if j == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return "\n".join(aligned(rows))
 
 
 # --------------------------------------------------------------------------- command line

@@ -614,6 +614,18 @@ class NanSentinel:
 
 
 # --------------------------------------------------------------------------- the layer
+def _module_dicts() -> Iterator[tuple[str, ModuleType, dict[str, Any]]]:
+    """(name, module, namespace) of every loaded module (a snapshot: safe while modules
+    change)."""
+    for name, mod in list(sys.modules.items()):
+        if mod is None or not isinstance(mod, ModuleType):
+            continue
+        try:
+            yield name, mod, vars(mod)
+        except TypeError:  # pragma: no cover
+            continue
+
+
 class _Layer:
     """The second wrapper over the patch's guards, and exactly how to take it off again."""
 
@@ -702,12 +714,8 @@ class _Layer:
         self.owned_by = None
 
     def _rebind(self, guards: dict[int, tuple[Any, str]]) -> None:
-        for name, mod in list(sys.modules.items()):
-            if mod is None or name == __name__ or not isinstance(mod, ModuleType):
-                continue
-            try:
-                d = vars(mod)
-            except TypeError:  # pragma: no cover
+        for name, mod, d in _module_dicts():
+            if name == __name__:
                 continue
             for key, value in list(d.items()):
                 hit = guards.get(id(value))
@@ -726,13 +734,7 @@ class _Layer:
             if cur is new:
                 setattr(owner, attr, old)
         self.saved.clear()
-        for _name, mod in list(sys.modules.items()):
-            if mod is None or not isinstance(mod, ModuleType):
-                continue
-            try:
-                d = vars(mod)
-            except TypeError:  # pragma: no cover
-                continue
+        for _name, _mod, d in _module_dicts():
             for key, value in list(d.items()):
                 guard = self.wrapper_ids.get(id(value))
                 if guard is not None and self.wrappers.get(id(guard), (None, None))[1] is value:
