@@ -594,7 +594,7 @@ def make_guard(fn: Callable[..., Any], cc: CompiledContract | None = None, *,
         return violated(m, cc, fn, args, kwargs)  # type: ignore[arg-type]  # built by now
 
     def remember(shape: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Learn a conforming call that no learnt check matched (slow path: ~5-50 us, at most
+        """Learn a conforming call that no learnt check matched (slow path: ~5-30 us, at most
         ``CAPACITY`` times per call shape, for at most ``SHAPES`` shapes).  A miss once the
         memo is full means the sizes keep changing: the memo would only add its misses to every
         call, so it is dropped for good.  Calls it cannot describe (a list argument) stop the
