@@ -137,6 +137,9 @@ class Arg(_Frozen):
     hint: str | None = None
     """a suggested fix that replaces the generated one"""
     doc: str | None = None
+    doc_conflict: str | None = None
+    """a deliberate disagreement with the torch_npu docstring, and why (``opcontracts wheel
+    verify`` reads it: a marked difference is reported, not failed)"""
 
     def __init__(self, dtype: Any = None, shape: Any = None, /, **data: Any) -> None:
         if dtype is not None:
