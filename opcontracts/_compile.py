@@ -14,7 +14,9 @@ can show it (as attrs does for its generated methods).
 from __future__ import annotations
 
 import itertools
+import keyword
 import linecache
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -114,8 +116,8 @@ class _Gen:
         self.params = list(params)
         self.rules: list[Rule] = []
         self.ns: dict[str, Any] = {
-            "_M": MISSING, "_U": _UNBOUND, "_T": torch.Tensor, "_VALUES": _values.ENABLED,
-            "_IL": _int_list_tensor,
+            "_oc_M": MISSING, "_oc_U": _UNBOUND, "_oc_T": torch.Tensor, "_oc_VALUES": _values.ENABLED,
+            "_oc_IL": _int_list_tensor,
         }
         self.lines: list[str] = []
         self.consts = itertools.count()
@@ -129,7 +131,7 @@ class _Gen:
 
     # -- helpers -----------------------------------------------------------------------
     def const(self, value: Any) -> str:
-        n = f"_c{next(self.consts)}"
+        n = f"_oc_c{next(self.consts)}"
         self.ns[n] = value
         return n
 
@@ -143,13 +145,13 @@ class _Gen:
         self.lines.append("    " * indent + line)
 
     def bdict(self) -> str:
-        items = [f"{n!r}: _d_{n}" for n in self.mentioned]
+        items = [f"{n!r}: _oc_d_{n}" for n in self.mentioned]
         return "{" + ", ".join(items) + "}"
 
     def fail(self, rid: int, value: str, index: str = "None") -> str:
         if self.fast:
             return "return False"
-        return f"return _V({rid}, {value}, {self.bdict()}, {index})"
+        return f"return _oc_V({rid}, {value}, {self.bdict()}, {index})"
 
     # -- shape -------------------------------------------------------------------------
     def _name(self, n: str) -> None:
@@ -168,7 +170,7 @@ class _Gen:
             self.emit(ind, f"{local} = {value}")
             self.bound.add(key)
         else:
-            self.emit(ind, f"if {local} is _U: {local} = {value}")
+            self.emit(ind, f"if {local} is _oc_U: {local} = {value}")
             self.emit(ind, f"elif {mismatch}: {fail}")
         self.seen.add(key)
 
@@ -181,32 +183,32 @@ class _Gen:
             self.emit(ind, f"if {size} != {d.value}: {fail}")
         elif d.kind == "name":
             n = d.names[0]
-            self._bind(ind, n, f"_d_{n}", size, f"{size} != _d_{n}", definite, fail)
+            self._bind(ind, n, f"_oc_d_{n}", size, f"{size} != _oc_d_{n}", definite, fail)
         elif d.kind == "expr":
             py = d.py
             for n in d.names:
-                py = _replace_name(py, n, f"_d_{n}")
+                py = _replace_name(py, n, f"_oc_d_{n}")
             if all(n in self.bound for n in d.names):
                 self.emit(ind, f"if {size} != {py}: {fail}")
                 return
             if d.solve is not None and d.solve[0] not in self.bound:
                 x, k = d.solve  # k*X with X unbound: the size must divide, X is its quotient
                 self.emit(ind, f"if {size} % {k}: {fail}")
-                self._bind(ind, x, f"_d_{x}", f"{size} // {k}", f"{size} != {py}", definite, fail)
+                self._bind(ind, x, f"_oc_d_{x}", f"{size} // {k}", f"{size} != {py}", definite, fail)
                 return
             # Names not bound yet: remember this size under the expression's text, compare
             # further occurrences with it, and check the expression once names are known.
             key = d.text.replace(" ", "")
             first = key not in self.pseudo
             if first:
-                self.pseudo[key] = f"_e{len(self.pseudo)}"
+                self.pseudo[key] = f"_oc_e{len(self.pseudo)}"
             local = self.pseudo[key]
             self._bind(ind, key, local, size, f"{size} != {local}", definite, fail)
             if first:
-                guard = " and ".join(f"_d_{n} is not _U" for n in d.names)
+                guard = " and ".join(f"_oc_d_{n} is not _oc_U" for n in d.names)
                 self.deferred.append(
-                    (f"if {local} is not _U and {guard} and {local} != {py}: "
-                     f"return _V({rid}, {val if definite else 'None'}, __BINDINGS__, None)", 1)
+                    (f"if {local} is not _oc_U and {guard} and {local} != {py}: "
+                     f"return _oc_V({rid}, {val if definite else 'None'}, __BINDINGS__, None)", 1)
                 )
 
     def shape_checks(self, ind: int, arg: str, spec: Arg, val: str, idx: str,
@@ -229,23 +231,23 @@ class _Gen:
             if n == 0:
                 self.emit(ind, f"if {val}.dim(): return False")
                 return
-            targets = ", ".join(f"_s{i}" for i in range(n))
+            targets = ", ".join(f"_oc_s{i}" for i in range(n))
             self.emit(ind, f"{targets}{',' if n == 1 else ''} = {val}.shape")
             rid = self.rule(arg, "shape", f"shape ({sh.text})", spec)
             for i, d in enumerate(sh.dims):
                 if d.kind != "any":
-                    self.dim_check(ind, d, f"_s{i}", rid, val, idx, definite)
+                    self.dim_check(ind, d, f"_oc_s{i}", rid, val, idx, definite)
             return
-        self.emit(ind, f"_s = {val}.shape")
+        self.emit(ind, f"_oc_s = {val}.shape")
         if len(shapes) == 1:
             self.one_shape(ind, arg, spec, shapes[0], val, idx, definite)
             return
         expected = " or ".join(f"({s.text})" for s in shapes)
         rid_rank = self.rule(arg, "rank", "shape " + expected, spec, detail=shapes)
-        self.emit(ind, "_r = len(_s)")
+        self.emit(ind, "_oc_r = len(_oc_s)")
         for i, sh in enumerate(shapes):
             kw = "if" if i == 0 else "elif"
-            self.emit(ind, f"{kw} _r == {sh.fixed_rank}:")
+            self.emit(ind, f"{kw} _oc_r == {sh.fixed_rank}:")
             saved = set(self.bound)
             self.one_shape(ind + 1, arg, spec, sh, val, idx, False, check_rank=False,
                            expected_all=expected)
@@ -260,23 +262,26 @@ class _Gen:
         n = sh.fixed_rank
         if check_rank:
             if sh.has_ellipsis:
-                self.emit(ind, f"if len(_s) < {n}: {self.fail(rid_rank, val, idx)}")
+                self.emit(ind, f"if len(_oc_s) < {n}: {self.fail(rid_rank, val, idx)}")
             else:
-                self.emit(ind, f"if len(_s) != {n}: {self.fail(rid_rank, val, idx)}")
+                self.emit(ind, f"if len(_oc_s) != {n}: {self.fail(rid_rank, val, idx)}")
         dims = [d for d in sh.dims if d.kind != "ellipsis"]
         for i, d in enumerate(dims):
             if d.kind == "any":
                 continue
             pos = i - len(dims) if sh.has_ellipsis else i
-            self.dim_check(ind, d, f"_s[{pos}]", rid, val, idx, definite)
+            self.dim_check(ind, d, f"_oc_s[{pos}]", rid, val, idx, definite)
 
     # -- one argument --------------------------------------------------------------------
     def tensor_body(self, ind: int, arg: str, spec: Arg, val: str, idx: str,
                     definite: bool) -> None:
         rid = self.rule(arg, "type", "a tensor or a list of ints" if spec.int_list else "a tensor",
                         spec)
-        if not self.fast:  # the fast checker lets a non-tensor fail on attribute access
-            self.emit(ind, f"if not isinstance({val}, _T): {self.fail(rid, val, idx)}")
+        if not self.fast or spec.dtype is None:
+            # the fast checker lets a non-tensor fail on comparing `.dtype` with torch dtypes;
+            # without a dtype rule nothing else proves it is a tensor (a numpy array has a
+            # `.shape`, an `Arg()` reads nothing at all)
+            self.emit(ind, f"if not isinstance({val}, _oc_T): {self.fail(rid, val, idx)}")
         if spec.dtype is not None:
             dts = [parse_dtype(d) for d in spec.dtype]
             exp = _expected_dtypes(spec.dtype)
@@ -296,15 +301,16 @@ class _Gen:
                 exp += " (" + "; ".join(
                     f"or {'/'.join(v)} when {p} is {k}" for k, v in exc.items()) + ")"
             rid = self.rule(arg, "same_dtype", exp, spec, partner=p)
-            cond = f"isinstance({p}, _T) and {val}.dtype is not {p}.dtype"
+            cond = f"isinstance({p}, _oc_T) and {val}.dtype is not {p}.dtype"
             if exc:
                 table = {parse_dtype(k): frozenset(parse_dtype(x) for x in v) for k, v in exc.items()}
                 cond += f" and {val}.dtype not in {self.const(table)}.get({p}.dtype, ())"
             self.emit(ind, f"if {cond}: {self.fail(rid, val, idx)}")
         if self.c.same_device and len(self.tensor_args) > 1:
             rid = self.rule(arg, "device", "the same device as the other tensor arguments", spec)
-            self.emit(ind, f"if _dev is _U: _dev = {val}.get_device()")
-            self.emit(ind, f"elif {val}.get_device() != _dev: {self.fail(rid, val, idx)}")
+            # `.device`, not `.get_device()`: the latter is -1 for CPU and meta tensors alike
+            self.emit(ind, f"if _oc_dev is _oc_U: _oc_dev = {val}.device")
+            self.emit(ind, f"elif {val}.device != _oc_dev: {self.fail(rid, val, idx)}")
         if spec.contiguous:
             rid = self.rule(arg, "contiguous", "a contiguous tensor", spec)
             self.emit(ind, f"if not {val}.is_contiguous(): {self.fail(rid, val, idx)}")
@@ -319,23 +325,23 @@ class _Gen:
                 if bound is None:
                     continue
                 rid = self.rule(arg, "shape", f"shape {shape} with {name} {sym} {bound}", spec)
-                guard = "" if name in self.bound else f"_d_{name} is not _U and "
-                self.emit(ind, f"if {guard}_d_{name} {bad} {bound}: {self.fail(rid, val, idx)}")
+                guard = "" if name in self.bound else f"_oc_d_{name} is not _oc_U and "
+                self.emit(ind, f"if {guard}_oc_d_{name} {bad} {bound}: {self.fail(rid, val, idx)}")
         if spec.same_shape_as is not None:
             p = spec.same_shape_as
             rid = self.rule(arg, "same_shape", f"the shape of {p}", spec, partner=p)
-            self.emit(ind, f"if isinstance({p}, _T) and {val}.shape != {p}.shape: "
+            self.emit(ind, f"if isinstance({p}, _oc_T) and {val}.shape != {p}.shape: "
                            f"{self.fail(rid, val, idx)}")
         if spec.values is not None:
             self.has_values = True
             rid = self.rule(arg, "value", "values " + _values.describe(spec.values), spec,
                             detail=spec.values)
             if self.fast:  # values are read by the careful checker only
-                self.deferred.append(("if _VALUES[0]: return False", 1))
+                self.deferred.append(("if _oc_VALUES[0]: return False", 1))
                 return
-            self.deferred.append((f"if _VALUES[0] and isinstance({val}, _T):", 1))
-            self.deferred.append((f"_vr = _vc({rid}, {val}, __BINDINGS__)", 2))
-            self.deferred.append(("if _vr is not None: return _V(" + str(rid) + f", {val}, __BINDINGS__, None, _vr)", 2))
+            self.deferred.append((f"if _oc_VALUES[0] and isinstance({val}, _oc_T):", 1))
+            self.deferred.append((f"_oc_vr = _oc_vc({rid}, {val}, __BINDINGS__)", 2))
+            self.deferred.append(("if _oc_vr is not None: return _oc_V(" + str(rid) + f", {val}, __BINDINGS__, None, _oc_vr)", 2))
 
     def arg_code(self, arg: str, spec: Arg) -> None:
         v = arg
@@ -343,7 +349,7 @@ class _Gen:
             self.scalar(arg, spec)
             return
         if spec.optional:
-            self.emit(1, f"if {v} is not _M and {v} is not None:")
+            self.emit(1, f"if {v} is not _oc_M and {v} is not None:")
             ind, definite = 2, False
         else:
             rid = self.rule(arg, "missing", "a tensor (this argument is not optional)", spec)
@@ -351,38 +357,48 @@ class _Gen:
                 or spec.contiguous or spec.tensor_list
             if not (self.fast and touches):  # the fast checker's None fails on `.dtype` & co
                 self.emit(1, f"if {v} is None: {self.fail(rid, v)}")
-            # a required argument left out: let the original raise its own TypeError
-            self.emit(1, f"if {v} is _M: return {'True' if self.fast else 'None'}")
+            # a required argument left out: a guard lets the original raise its own TypeError
+            # (the optimistic checker says True); the careful one, which `check()` runs, says so
+            self.emit(1, f"if {v} is _oc_M: {'return True' if self.fast else self.fail(rid, v)}")
             ind, definite = 1, True
         if spec.int_list:
-            self.emit(ind, f"if isinstance({v}, (list, tuple)): {v} = _IL({v})")
+            self.emit(ind, f"if isinstance({v}, (list, tuple)): {v} = _oc_IL({v})")
         if spec.tensor_list:
             rid = self.rule(arg, "type", "a list of tensors", spec)
             self.emit(ind, f"if not isinstance({v}, (list, tuple)): {self.fail(rid, v)}")
             if spec.max_len is not None:
                 rid = self.rule(arg, "list_len", f"at most {spec.max_len} tensors", spec)
                 self.emit(ind, f"if len({v}) > {spec.max_len}: {self.fail(rid, v)}")
-            self.emit(ind, f"for _i, _x in enumerate({v}):")
+            self.emit(ind, f"for _oc_i, _oc_x in enumerate({v}):")
             before = len(self.lines)
-            self.tensor_body(ind + 1, arg, spec, "_x", "_i", False)
-            if len(self.lines) == before:  # no per-element rule (the fast checker skips the type)
+            self.tensor_body(ind + 1, arg, spec, "_oc_x", "_oc_i", False)
+            if len(self.lines) == before:  # pragma: no cover - the type rule is always emitted
                 self.emit(ind + 1, "pass")
         else:
+            before = len(self.lines)
             self.tensor_body(ind, arg, spec, v, "None", definite)
+            if len(self.lines) == before and ind > 1:  # an optional argument with no rule to run
+                self.emit(ind, "pass")
 
     def scalar(self, arg: str, spec: Arg) -> None:
         v = arg
-        present = f"{v} is not _M and {v} is not None"
-        if not spec.optional and spec.allowed is None and (spec.ge, spec.le, spec.lt) == (None,) * 3:
-            return
+        present = f"{v} is not _oc_M and {v} is not None"
+        if not spec.optional:  # None for a required scalar is a missing value, whatever its rules
+            rid = self.rule(arg, "missing", "a value (this argument is not optional)", spec)
+            self.emit(1, f"if {v} is None: {self.fail(rid, v)}")
         if spec.allowed is not None:
             rid = self.rule(arg, "allowed", "one of " + ", ".join(map(repr, spec.allowed)), spec)
-            self.emit(1, f"if {v} is not _M and {v} not in {self.const(tuple(spec.allowed))}: "
+            self.emit(1, f"if {present} and {v} not in {self.const(tuple(spec.allowed))}: "
                          f"{self.fail(rid, v)}")
-        for op_name, op_sym in (("ge", "<"), ("le", ">"), ("lt", ">=")):
-            bound = getattr(spec, op_name)
-            if bound is None:
-                continue
+        bounds = [(n, getattr(spec, n)) for n in ("ge", "le", "lt") if getattr(spec, n) is not None]
+        if bounds and not self.fast:
+            # a value that cannot be compared with a number ("abc" against ge=1) is a violation
+            # of its own; the optimistic checker's comparison raises and sends it here
+            rid = self.rule(arg, "type", "a number", spec)
+            self.emit(1, f"if {present} and not isinstance({v}, {self.const(numbers.Real)}): "
+                         f"{self.fail(rid, v)}")
+        for op_name, bound in bounds:
+            op_sym = {"ge": "<", "le": ">", "lt": ">="}[op_name]
             sym = {"ge": ">=", "le": "<=", "lt": "<"}[op_name]
             rid = self.rule(arg, "bound", f"{sym} {bound}", spec)
             if isinstance(bound, int):
@@ -392,11 +408,11 @@ class _Gen:
                 py = d.py or d.text
                 for n in d.names:
                     self._name(n)
-                    py = _replace_name(py, n, f"_d_{n}")
-                guard = " and ".join(f"_d_{n} is not _U" for n in d.names) or "True"
+                    py = _replace_name(py, n, f"_oc_d_{n}")
+                guard = " and ".join(f"_oc_d_{n} is not _oc_U" for n in d.names) or "True"
                 self.deferred.append(
                     (f"if {present} and {guard} and {v} {op_sym} {py}: "
-                     f"return _V({rid}, {v}, __BINDINGS__, None)", 1))
+                     f"return _oc_V({rid}, {v}, __BINDINGS__, None)", 1))
 
     # -- whole function ------------------------------------------------------------------
     def build(self) -> CompiledContract:
@@ -419,21 +435,21 @@ class _Gen:
         self.tensor_args = tuple(n for n, a in c.args.items() if a.is_tensor)
         body_start = len(self.lines)
         if c.same_device and len(self.tensor_args) > 1:
-            self.emit(1, "_dev = _U")
+            self.emit(1, "_oc_dev = _oc_U")
         for name, spec in c.args.items():
             self.arg_code(name, spec)
         init = []
         names = self.mentioned
         if names:
-            init.append("    " + " = ".join(f"_d_{n}" for n in names) + " = _U")
+            init.append("    " + " = ".join(f"_oc_d_{n}" for n in names) + " = _oc_U")
         if self.pseudo:
-            init.append("    " + " = ".join(self.pseudo.values()) + " = _U")
+            init.append("    " + " = ".join(self.pseudo.values()) + " = _oc_U")
         self.lines[body_start:body_start] = init
         bd = self.bdict()
         for line, ind in self.deferred:
             line = line.replace("__BINDINGS__", bd)
-            if self.fast and "return _V(" in line:
-                line = line[: line.index("return _V(")] + "return False"
+            if self.fast and "return _oc_V(" in line:
+                line = line[: line.index("return _oc_V(")] + "return False"
             self.emit(ind, line)
         if self.fast:
             self.lines = ["    try:"] + ["    " + ln for ln in self.lines] + [
@@ -449,18 +465,18 @@ class _Gen:
         filename = f"<opcontracts check {c.op} #{next(_counter)}>"
         rules = self.rules
 
-        def _V(rid: int, value: Any, bindings: dict[str, Any], index: Any = None,
+        def _oc_V(rid: int, value: Any, bindings: dict[str, Any], index: Any = None,
                note: str | None = None) -> RawViolation:
             return RawViolation(rules[rid], value,
                                 {k: v for k, v in bindings.items() if v is not _UNBOUND},
                                 index, note)
 
-        def _vc(rid: int, t: torch.Tensor, bindings: dict[str, Any]) -> str | None:
+        def _oc_vc(rid: int, t: torch.Tensor, bindings: dict[str, Any]) -> str | None:
             b = {k: v for k, v in bindings.items() if v is not _UNBOUND}
             return _values.check_values(rules[rid].detail, t, b)
 
-        self.ns["_V"] = _V
-        self.ns["_vc"] = _vc
+        self.ns["_oc_V"] = _oc_V
+        self.ns["_oc_vc"] = _oc_vc
         code = compile(src, filename, "exec")
         linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
         exec(code, self.ns)  # noqa: S102 - source generated above from a validated contract
@@ -493,7 +509,7 @@ def _signature_source(params: Sequence[Param]) -> str:
     had_posonly = False
     for p in params:
         if p.kind == "POSITIONAL_ONLY":
-            out.append(f"{p.name}=_M")
+            out.append(f"{p.name}=_oc_M")
             had_posonly = True
             continue
         if had_posonly:
@@ -506,11 +522,11 @@ def _signature_source(params: Sequence[Param]) -> str:
             if not seen_kwonly:
                 out.append("*")
                 seen_kwonly = True
-            out.append(f"{p.name}=_M")
+            out.append(f"{p.name}=_oc_M")
         elif p.kind == "VAR_KEYWORD":
             out.append(f"**{p.name}")
         else:
-            out.append(f"{p.name}=_M")
+            out.append(f"{p.name}=_oc_M")
     if had_posonly:
         out.append("/")
     return ", ".join(out)
@@ -523,11 +539,14 @@ def compile_contract(contract: Contract, params: Sequence[Param] | None = None) 
         names = contract.signature or tuple(contract.args)
         params = [Param(n) for n in names]
     for p in params:
-        if not p.name.isidentifier() or p.name.startswith("_d_") or p.name in (
-            "_M", "_U", "_T", "_V", "_s", "_r", "_x", "_i", "_dev", "_vc", "_vr", "_VALUES", "_IL"
-        ):
-            raise ContractFileError(f"cannot guard a parameter named {p.name!r}",
-                                    file=contract.file, contract=contract.op)
+        # every name the generated code uses for itself starts with ``_oc_``: a parameter (or
+        # contract argument) can be any other identifier without shadowing one of them
+        if not p.name.isidentifier() or keyword.iskeyword(p.name) or p.name.startswith("_oc_"):
+            raise ContractFileError(
+                f"cannot guard a parameter named {p.name!r} (parameters must be Python "
+                "identifiers, not keywords, and not start with '_oc_', which the generated "
+                "checkers reserve)", file=contract.file, contract=contract.op,
+                field=f"args.{p.name}" if p.name in contract.args else "signature")
     careful = _Gen(contract, params).build()
     quick = _Gen(contract, params, fast=True).build()
     careful.fast = quick.check  # type: ignore[assignment]  # returns bool in fast mode

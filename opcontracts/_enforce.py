@@ -29,7 +29,7 @@ import torch
 from . import _memo, _modes, _values
 from . import _report as _report_mod
 from ._callsite import CallSite, find_call_site
-from ._compile import CompiledContract, Param, RawViolation, compile_contract
+from ._compile import MISSING, CompiledContract, Param, RawViolation, compile_contract
 from ._dtypes import dtype_name, int_range, parse_dtype
 from ._report import bump, current_rank, record
 from .errors import ContractFixWarning, ContractViolation, ContractWarning
@@ -89,7 +89,7 @@ def _fmt_shape(v: torch.Tensor) -> str:
 def _actual(raw: RawViolation) -> str:
     v, kind = raw.value, raw.rule.kind
     if kind == "missing":
-        return "is None"
+        return "was not passed" if v is MISSING else "is None"
     if kind == "type":
         return f"is a {type(v).__name__}"
     if kind == "value":

@@ -159,15 +159,11 @@ def test_device_agreement_uses_devices():
     meta = torch.empty(2, device="meta")
     with opcontracts.mode("strict"):
         f(t(2), t(2))
-    # meta and cpu both report get_device() == -1; a real accelerator index differs.  Check the
-    # rule exists and is wired by faking a device index.
-    class Dev(torch.Tensor):
-        def get_device(self):  # noqa: D401
-            return 0
-
-    e = violation(f, t(2), t(2).as_subclass(Dev))
-    assert e.rule == "device"
-    assert meta.get_device() == -1
+        f(meta, torch.empty(3, device="meta"))
+    # meta and cpu both report get_device() == -1: the rule compares torch.device objects
+    assert meta.get_device() == t(2).get_device() == -1
+    e = violation(f, t(2), meta)
+    assert e.rule == "device" and e.arg == "b" and "meta" in e.actual
 
 
 def test_same_device_is_opt_in():

@@ -45,7 +45,8 @@ def install(
     """Register the emulated ``torch.ops.npu`` ops and the stand-in modules.
 
     ``profile`` is a name from ``PROFILES`` or a mapping of the same structure. Installing
-    again only switches the profile (and the reported versions). Raises RuntimeError when a
+    again only switches the profile (and the reported versions). When ``opcontracts.patch`` is
+    applied, the new ops are guarded at once (the patch is applied again). Raises RuntimeError when a
     real torch_npu is loaded or importable: the emulation never shadows real kernels.
     """
     global _lib, _finder
@@ -67,6 +68,11 @@ def install(
         finder = StandinFinder(versions)
         finder.insert()
         _lib, _finder = lib, finder
+    # The new ``torch.ops.npu`` ops appear without any import the patch's hook could see:
+    # an applied patch guards them now (it never imports anything itself).
+    patch = sys.modules.get("opcontracts.patch")  # never imported from here
+    if patch is not None and patch.is_applied():
+        patch.apply()
 
 
 def uninstall() -> None:
