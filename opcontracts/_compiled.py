@@ -153,11 +153,16 @@ def _eager_fix(key: int, fn: Callable[..., Any], args: tuple[Any, ...],
     return _violated(_modes.FIX, BY_KEY[key], fn, args, kwargs, depth=1)
 
 
-def _build(token: int) -> int:
-    """Trace time: validate and compile a lazy guard's contract (plain Python, not traced)."""
-    from ._enforce import _FACTORIES
+def _build(token: int, generation: int) -> int:
+    """Trace time: the key of a following guard's contract, validated and compiled now if no
+    call built it yet (plain Python, not traced); -1 when no contract applies.  The registry's
+    ``generation`` is an argument so that dynamo guards on it: a change to what applies
+    recompiles the code that baked the key in."""
+    from ._enforce import _BY_TOKEN
 
-    return _FACTORIES[token]().key
+    guard = _BY_TOKEN.get(token)
+    cc = guard.__opcontracts_build__() if guard is not None else None  # type: ignore[attr-defined]
+    return cc.key if cc is not None else -1
 
 
 # Decorated at import (this module is imported only once torch.compile is tracing a guard):
@@ -170,9 +175,10 @@ _eager_fix_c = torch.compiler.disable(_eager_fix)
 _build_c = torch._dynamo.assume_constant_result(_build)
 
 
-def lazy(token: int) -> int:
-    """The key of a lazy guard's contract, built at trace time if no eager call built it."""
-    return _build_c(token)  # type: ignore[no-any-return]
+def lazy(token: int, generation: int) -> int:
+    """The key of a following guard's contract, built at trace time if no eager call built
+    it; -1 when none applies."""
+    return _build_c(token, generation)  # type: ignore[no-any-return]
 
 
 def call(key: int, fn: Callable[..., Any], args: tuple[Any, ...],

@@ -18,21 +18,23 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import sys
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
-from . import _memo, _modes, _values
+from . import _memo, _modes, _registry, _values
 from . import _report as _report_mod
 from ._callsite import CallSite, find_call_site
 from ._compile import MISSING, CompiledContract, Param, RawViolation, compile_contract
 from ._dtypes import dtype_name, int_range, parse_dtype
 from ._report import bump, current_rank, record
-from .errors import ContractFixWarning, ContractViolation, ContractWarning
+from .errors import ContractFixWarning, ContractViolation, ContractWarning, OpContractsError
 
 __all__ = ["make_guard", "params_of", "violation_from_raw", "check_call", "compiled_for"]
 
@@ -498,7 +500,13 @@ def _learn_repair(entry: _SiteEntry, cc: CompiledContract, b: _Bound, repairs: l
 
 
 # --------------------------------------------------------------------------- the guard
-_FACTORIES: list[Callable[[], CompiledContract]] = []
+# Lazy guards by token, for code traced by torch.compile (it names a guard's contract by a
+# constant token); weak, so an unpatched guard is freed with everything its closure holds.
+_BY_TOKEN: weakref.WeakValueDictionary[int, Callable[..., Any]] = weakref.WeakValueDictionary()
+_tokens = itertools.count()
+# Every guard that follows the registry (patched targets, ``enforce("op")``): told to forget
+# its contract and its memo when what applies changes (see ``_on_registry_change``).
+_FOLLOWING: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
 
 # True only while dynamo traces (it folds the call to a constant); in eager a bare `return False`
 # (~18 ns, against ~50 ns for torch.compiler.is_compiling, which also asks TorchScript)
@@ -506,15 +514,26 @@ _is_dynamo_compiling: Callable[[], bool] = getattr(
     torch.compiler, "is_dynamo_compiling", getattr(torch.compiler, "is_compiling", lambda: False))
 
 
+def _unguarded(*args: Any, **kwargs: Any) -> bool:
+    """The optimistic check of a guard whose contract does not apply (or cannot be built)."""
+    return True
+
+
 def make_guard(fn: Callable[..., Any], cc: CompiledContract | None = None, *,
-               op: str | None = None, factory: Callable[[], CompiledContract] | None = None,
+               op: str | None = None,
+               factory: Callable[[], CompiledContract | None] | None = None,
                ) -> Callable[..., Any]:
     """Wrap ``fn`` so each call is checked against ``cc`` in the mode in effect.
 
-    With ``factory`` instead of ``cc`` (what the patch uses), the contract is validated and
-    compiled on the first call that needs a check: ``import opcontracts.patch`` then costs no
-    pydantic import and no code generation.  The first call swaps the real checker into the
-    closure, so later calls run exactly the code of an eagerly built guard.
+    With ``factory`` (what the patch and ``enforce("op")`` use), the guard follows the
+    registry: the contract is validated and compiled on the first call that needs a check
+    (``import opcontracts.patch`` then costs no pydantic import and no code generation), and
+    again after any change to what applies (``register``, ``set_versions``, new contracts, a
+    new ``patch.apply()``): the registry tells every such guard to forget its contract and its
+    memo, so the hot path tests nothing for it.  The factory returns None when no contract
+    applies here: the guard then calls through.  A contract that cannot be built (a malformed
+    user file) is a ``RuntimeWarning`` naming it, and the target runs unguarded: a user's file
+    never kills the job.
     """
     if cc is None and factory is None:
         raise TypeError("make_guard needs a compiled contract or a factory")
@@ -535,35 +554,56 @@ def make_guard(fn: Callable[..., Any], cc: CompiledContract | None = None, *,
     tries: dict[Any, int] = {}  # learning attempts left; 0 once full or hopeless
     values: Sequence[bool] = (False,)  # the value-check switch when the contract has value rules
 
-    def bootstrap(*args: Any, **kwargs: Any) -> Any:
-        nonlocal cc, fast, values
+    def build() -> CompiledContract | None:
+        """The contract to check against now, building it when none is (None: none applies)."""
         with lock:
-            if cc is None:
-                assert factory is not None
-                built = factory()
-                guarded.__opcontracts__ = built  # type: ignore[attr-defined]
-                fast = built.fast or _fast_from(built)
-                values = _values_switch(built)
-                cc = built
+            while fast is bootstrap:
+                gen = _registry.GENERATION.value
+                built = _build_from(factory, op)
+                if gen == _registry.GENERATION.value:  # else it changed meanwhile: again
+                    _install(built)
+            return cc
+
+    def bootstrap(*args: Any, **kwargs: Any) -> Any:
+        build()
         return fast(*args, **kwargs)
+
+    def _install(built: CompiledContract | None) -> None:
+        nonlocal cc, fast, values
+        cc = built
+        if built is None:
+            fast, values = _unguarded, (False,)
+            guarded.__dict__.pop("__opcontracts__", None)
+        else:
+            guarded.__opcontracts__ = built  # type: ignore[attr-defined]
+            fast = built.fast or _fast_from(built)
+            values = _values_switch(built)
+
+    def reset() -> None:
+        """Forget the contract and the memo: the next call resolves and builds anew.  Takes no
+        lock (the registry calls it holding its own; a build in another thread may be waiting
+        for that one): a build that overlaps a change sees the generation move and redoes it."""
+        nonlocal fast, cc
+        seen.clear()
+        tries.clear()
+        fast, cc = bootstrap, None
 
     if cc is not None:
         fast = cc.fast or _fast_from(cc)
         values = _values_switch(cc)
     else:
         fast = bootstrap
-        token = len(_FACTORIES)
-        _FACTORIES.append(lambda: _built(guarded, bootstrap))
 
     def guarded(*args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True  # pytest shows the caller's frame, not this wrapper
         if compiling():
             from . import _compiled  # imported only once something is being compiled
 
-            # read only what never changes: a lazy guard's `cc` cell is filled during tracing,
-            # which would invalidate dynamo's guard on it
-            key = _compiled.lazy(token) if token >= 0 else cc.key  # type: ignore[union-attr]
-            return _compiled.call(key, fn, args, kwargs)
+            # read only what never changes (a token, a key) or what dynamo should guard on
+            # (the registry's generation): a lazy guard's cells change as it builds
+            key = _compiled.lazy(token, _registry.GENERATION.value) if token >= 0 \
+                else cc.key  # type: ignore[union-attr]
+            return _compiled.call(key, fn, args, kwargs) if key >= 0 else fn(*args, **kwargs)
         s = get()
         if s is None:
             s = modes._global_state
@@ -591,7 +631,10 @@ def make_guard(fn: Callable[..., Any], cc: CompiledContract | None = None, *,
             if tries.get(shape, 1):
                 remember(shape, args, kwargs)
             return fn(*args, **kwargs)
-        return violated(m, cc, fn, args, kwargs)  # type: ignore[arg-type]  # built by now
+        c = cc
+        if c is None:  # reset by another thread since `fast` ran: decide on the new contract
+            return guarded(*args, **kwargs)
+        return violated(m, c, fn, args, kwargs)
 
     def remember(shape: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Learn a conforming call that no learnt check matched (slow path: ~5-30 us, at most
@@ -599,7 +642,8 @@ def make_guard(fn: Callable[..., Any], cc: CompiledContract | None = None, *,
         memo is full means the sizes keep changing: the memo would only add its misses to every
         call, so it is dropped for good.  Calls it cannot describe (a list argument) stop the
         attempts after ``2 * CAPACITY``."""
-        if values[0]:
+        c = cc
+        if values[0] or c is None:
             return
         same = None
         if _memo.learnable(args, kwargs):
@@ -611,8 +655,10 @@ def make_guard(fn: Callable[..., Any], cc: CompiledContract | None = None, *,
                 with lock:
                     tries[shape] = 0
                 return
-            same = _memo.learn(args, _pins_strides(cc), kwargs)  # type: ignore[arg-type]
+            same = _memo.learn(args, _pins_strides(c), kwargs)
         with lock:
+            if c is not cc:  # reset while learning: what was learnt is for an old contract
+                return
             have = seen.get(shape, ())
             if same is None:
                 tries[shape] = tries.get(shape, 2 * _memo.CAPACITY) - 1
@@ -633,11 +679,57 @@ def make_guard(fn: Callable[..., Any], cc: CompiledContract | None = None, *,
             guarded.__signature__ = _inspect_signature(params)  # type: ignore[attr-defined]
     if cc is not None:
         guarded.__opcontracts__ = cc  # type: ignore[attr-defined]
-    else:
-        guarded.__opcontracts_build__ = _FACTORIES[token]  # type: ignore[attr-defined]
+    if factory is not None:
+        token = next(_tokens)
+        _BY_TOKEN[token] = guarded
+        guarded.__opcontracts_reset__ = reset  # type: ignore[attr-defined]
+        guarded.__opcontracts_build__ = build  # type: ignore[attr-defined]
+        _FOLLOWING.add(guarded)
     guarded.__opcontracts_op__ = op  # type: ignore[attr-defined]
     guarded.__opcontracts_memo__ = seen  # type: ignore[attr-defined]  # for tests and debugging
     return guarded
+
+
+def _build_from(factory: Callable[[], CompiledContract | None] | None, op: str,
+                ) -> CompiledContract | None:
+    """Run a guard's factory; None (call through) when nothing applies, or when the contract
+    cannot be built (warned once per op and reason: the user's file is wrong, the job is not)."""
+    assert factory is not None
+    try:
+        return factory()
+    except OpContractsError as exc:
+        if not isinstance(exc, _registry.UnknownOpError):
+            _warn_broken(op, exc)
+        return None
+
+
+_broken_warned: set[tuple[str, str]] = set()
+
+
+def _warn_broken(op: str, exc: Exception) -> None:
+    key = (op, str(exc))
+    if key in _broken_warned:
+        return
+    _broken_warned.add(key)
+    site = find_call_site(sys._getframe(1))
+    text = (f"opcontracts: the contract of {op} cannot be used, so its targets run unchecked: "
+            f"{exc}")
+    if site is None:  # pragma: no cover - called from opcontracts itself
+        warnings.warn(text, RuntimeWarning, stacklevel=2)
+    else:
+        warnings.warn_explicit(text, RuntimeWarning, site.filename, site.lineno, module=site.module)
+
+
+def _on_registry_change() -> None:
+    """The registry changed what applies: every guard that follows it starts over."""
+    for g in list(_FOLLOWING):
+        reset = getattr(g, "__opcontracts_reset__", None)
+        if reset is not None:
+            reset()
+    _site_cache.clear()  # entries name compiled contracts that no longer apply
+
+
+_registry.on_change(_on_registry_change)
 
 
 def _pins_strides(cc: CompiledContract) -> bool:
@@ -655,21 +747,9 @@ def _fast_from(cc: CompiledContract) -> Callable[..., Any]:
     return lambda *a, **k: check(*a, **k) is None
 
 
-def _built(guarded: Callable[..., Any], bootstrap: Callable[..., Any]) -> CompiledContract:
-    """The compiled contract of a lazy guard, building it if no call has yet."""
-    cc = getattr(guarded, "__opcontracts__", None)
-    if cc is None:
-        try:
-            bootstrap()
-        except TypeError:  # the checker ran with no arguments; the contract is built anyway
-            pass
-        cc = guarded.__opcontracts__  # type: ignore[attr-defined]
-    return cc  # type: ignore[no-any-return]
-
-
 def compiled_of(guard: Callable[..., Any]) -> CompiledContract | None:
     """The compiled contract behind a guard, building it for a lazy guard; None if ``guard``
-    is not one of ours."""
+    is not one of ours or no contract applies to it."""
     cc = getattr(guard, "__opcontracts__", None)
     if cc is None:
         build = getattr(guard, "__opcontracts_build__", None)

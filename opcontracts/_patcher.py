@@ -313,9 +313,12 @@ class Patcher:
             return hit[1]
         src = params_from if params_from is not None else original
 
-        def factory() -> CompiledContract:
-            # runs on the guard's first call: validate the contract, compile the checker
-            contract = _registry.get_contract(op)
+        def factory() -> CompiledContract | None:
+            # runs on the guard's first call and after each change to what applies: validate
+            # the contract, compile the checker (None: no contract applies here)
+            contract = _registry.resolve(op)
+            if contract is None:
+                return None
             params = params_of(src, contract)
             if drop_first and params and params[0].name in ("ctx", "_ctx"):
                 params = params[1:]  # autograd.Function.forward(ctx, ...)

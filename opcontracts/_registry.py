@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,7 +27,8 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 __all__ = ["register", "unregister", "get_contract", "resolve", "all_contracts", "clear",
-           "shipped_contracts_dir", "load_shipped", "UnknownOpError", "merge_contracts"]
+           "shipped_contracts_dir", "load_shipped", "UnknownOpError", "merge_contracts",
+           "on_change", "GENERATION"]
 
 
 class UnknownOpError(OpContractsError, LookupError):
@@ -37,6 +38,35 @@ class UnknownOpError(OpContractsError, LookupError):
 _lock = threading.RLock()
 _by_op: dict[str, list[Contract]] = {}
 _resolved: dict[str, Contract | None] = {}
+
+
+class _Generation:
+    """How many times what applies has changed.  A plain object attribute: code traced by
+    ``torch.compile`` reads it, so dynamo guards on it and recompiles after a change."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0
+
+
+GENERATION = _Generation()
+_listeners: list[Callable[[], None]] = []
+
+
+def on_change(callback: Callable[[], None]) -> None:
+    """Call ``callback`` after every change to what applies (contracts registered, replaced,
+    removed; versions changed).  The enforcer resets its guards from here, so a guard never
+    keeps a decision the registry no longer makes, and its hot path tests nothing for it."""
+    _listeners.append(callback)
+
+
+def _changed() -> None:
+    """Called with ``_lock`` held, after a change: drop resolutions, tell the listeners."""
+    _resolved.clear()
+    GENERATION.value += 1
+    for cb in list(_listeners):
+        cb()
 
 
 def shipped_contracts_dir() -> Path:
@@ -73,13 +103,14 @@ def register(contracts: Contract | Iterable[Contract], *, replace: bool = False)
                 lst[same[0]] = c
             else:
                 lst.append(c)
-            _resolved.pop(c.op, None)
+        if items:
+            _changed()
 
 
 def unregister(op: str) -> None:
     with _lock:
         _by_op.pop(op, None)
-        _resolved.pop(op, None)
+        _changed()
 
 
 def clear() -> None:
@@ -87,14 +118,14 @@ def clear() -> None:
     global _shipped_loaded
     with _lock:
         _by_op.clear()
-        _resolved.clear()
         _shipped_loaded = False
+        _changed()
 
 
 def invalidate() -> None:
-    """Forget resolutions (after versions change)."""
+    """Forget resolutions (after versions change); every guard decides anew."""
     with _lock:
-        _resolved.clear()
+        _changed()
 
 
 def all_contracts() -> list[Contract]:

@@ -13,6 +13,7 @@ from ._enforce import check_call, compiled_for, make_guard, params_of
 from .errors import ContractFileError
 
 if TYPE_CHECKING:
+    from ._compile import CompiledContract
     from .spec import Arg, Contract
 
 __all__ = ["enforce", "check"]
@@ -68,7 +69,8 @@ def enforce(target: str | Contract | None = None) -> Callable[[Callable[P, R]], 
 def enforce(target: Any = None) -> Any:
     """Guard a function with a contract.
 
-    ``@enforce("npu_moe_token_unpermute")`` uses a registered contract;
+    ``@enforce("npu_moe_token_unpermute")`` uses a registered contract, and follows the
+    registry (a contract replaced, versions changed: the next call checks the new rules);
     ``@enforce(Contract(...))`` an inline one; bare ``@enforce`` (or ``@enforce()``) builds one
     from ``Annotated[torch.Tensor, Arg(...)]`` parameter annotations.  The wrapper keeps the
     function's name, docstring and signature.
@@ -77,8 +79,23 @@ def enforce(target: Any = None) -> Any:
 
     if callable(target) and not isinstance(target, (str, Contract)):
         return enforce(None)(target)
-    if isinstance(target, str):  # resolve now: an unknown op fails at decoration time
-        target = _lookup(target)
+    if isinstance(target, str):
+        op = target
+        _lookup(op)  # an unknown op fails at decoration time
+
+        def by_name(fn: Callable[P, R]) -> Callable[P, R]:
+            def factory() -> CompiledContract | None:
+                # at decoration and after every change to what applies (set_versions,
+                # register(..., replace=True)): the guard follows the registry
+                found = _registry.resolve(op)
+                if found is None:
+                    return None
+                contract = _contract_for(fn, found)
+                return compiled_for(contract, params_of(fn, contract))
+
+            return make_guard(fn, factory(), op=op, factory=factory)  # type: ignore[return-value]
+
+        return by_name
 
     def deco(fn: Callable[P, R]) -> Callable[P, R]:
         contract = _contract_for(fn, target)
