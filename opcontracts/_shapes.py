@@ -8,17 +8,33 @@ A shape is a string of space-separated dimensions::
 
 Names bind across every argument of one call, so ``"N*K"`` on one argument and ``"N K"`` on
 another check the relation between them.  Expressions use ``* + - //``, integers and names.
+
+A dimension name is a letter followed by letters, digits or ``_`` (``n_tokens``), and not a
+Python keyword; ``_`` alone is "any one dimension".  A shape has at most ``MAX_DIMS``
+dimensions and an expression at most ``MAX_OPS`` operators: contract files come from users,
+and a 1,500-term expression would only exhaust the parser's (and the compiler's) recursion.
 """
 
 from __future__ import annotations
 
 import ast
+import keyword
 import re
 from dataclasses import dataclass, field
 
 __all__ = ["Dim", "ShapeSpec", "parse_shape", "eval_dim"]
 
-_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9]*$")
+_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
+NAME_RULE = ("a dimension name is a letter followed by letters, digits or '_' (such as N, "
+             "n_tokens, H2), not a Python keyword; '_' alone means any one dimension")
+MAX_DIMS = 64
+MAX_OPS = 32
+MAX_TOKEN = 128
+_OPS_RE = re.compile(r"//|[*+\-/%@&|^<>]")
+
+
+def _is_name(tok: str) -> bool:
+    return bool(_NAME_RE.match(tok)) and not keyword.iskeyword(tok)
 
 
 @dataclass(frozen=True)
@@ -59,10 +75,15 @@ def _check_expr(node: ast.AST, text: str, names: list[str]) -> str:
     if isinstance(node, ast.BinOp) and type(node.op) in _ALLOWED_BINOPS:
         left = _check_expr(node.left, text, names)
         right = _check_expr(node.right, text, names)
+        if isinstance(node.op, ast.FloorDiv) and _constant(node.right) == 0:
+            raise ValueError(f"dimension {text!r} divides by zero")
+        if isinstance(node.op, ast.Mult) and 0 in (_constant(node.left), _constant(node.right)):
+            raise ValueError(f"dimension {text!r} multiplies by zero: it is always 0 and "
+                             "says nothing about the names in it (write 0)")
         return f"({left} {_ALLOWED_BINOPS[type(node.op)]} {right})"
     if isinstance(node, ast.Name):
-        if not _NAME_RE.match(node.id):
-            raise ValueError(f"bad dimension name {node.id!r} in {text!r}")
+        if not _is_name(node.id):
+            raise ValueError(f"bad dimension name {node.id!r} in {text!r}: {NAME_RULE}")
         if node.id not in names:
             names.append(node.id)
         return node.id
@@ -73,23 +94,53 @@ def _check_expr(node: ast.AST, text: str, names: list[str]) -> str:
     )
 
 
+def _constant(node: ast.AST) -> int | None:
+    """The value of a sub-expression without names, or ``None`` when it has a name (or
+    divides by zero itself, which ``_check_expr`` reports for that sub-expression)."""
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.BinOp) and type(node.op) in _ALLOWED_BINOPS:
+        a, b = _constant(node.left), _constant(node.right)
+        if a is None or b is None:
+            return None
+        if isinstance(node.op, ast.Mult):
+            return a * b
+        if isinstance(node.op, ast.Add):
+            return a + b
+        if isinstance(node.op, ast.Sub):
+            return a - b
+        return None if b == 0 else a // b
+    return None
+
+
 def _parse_dim(tok: str) -> Dim:
     if tok == "...":
         return Dim("ellipsis", tok)
     if tok == "_":
         return Dim("any", tok)
-    if tok.isdigit():
+    if len(tok) > MAX_TOKEN:
+        raise ValueError(f"dimension {tok[:40]!r}... is {len(tok)} characters long "
+                         f"(at most {MAX_TOKEN})")
+    if tok.isascii() and tok.isdigit():
         return Dim("int", tok, value=int(tok))
-    if _NAME_RE.match(tok):
+    if _is_name(tok):
         return Dim("name", tok, names=(tok,))
+    if _NAME_RE.match(tok) or re.match(r"^[A-Za-z_]\w*$", tok):
+        raise ValueError(f"bad dimension name {tok!r}: {NAME_RULE}")
+    n_ops = len(_OPS_RE.findall(tok))
+    if n_ops > MAX_OPS:
+        raise ValueError(f"dimension {tok[:40]!r}... has {n_ops} operators (at most {MAX_OPS})")
     try:
         node = ast.parse(tok, mode="eval").body
-    except SyntaxError:
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
         raise ValueError(f"cannot parse dimension {tok!r}") from None
     names: list[str] = []
     py = _check_expr(node, tok, names)
     if not names:  # constant expression such as 2*64
-        return Dim("int", tok, value=int(eval(py, {"__builtins__": {}})))  # noqa: S307 - vetted AST
+        value = _constant(node)
+        if value is None or value < 0:
+            raise ValueError(f"dimension {tok!r} is {value}: a size cannot be negative")
+        return Dim("int", tok, value=value)
     solve = None
     if (
         isinstance(node, ast.BinOp)
@@ -109,6 +160,8 @@ def parse_shape(text: str) -> ShapeSpec:
     if not isinstance(text, str):
         raise ValueError(f"a shape must be a string such as 'N K', got {text!r}")
     toks = text.replace(",", " ").split()
+    if len(toks) > MAX_DIMS:
+        raise ValueError(f"shape {text[:40]!r}... has {len(toks)} dimensions (at most {MAX_DIMS})")
     dims = tuple(_parse_dim(t) for t in toks)
     n_ell = sum(1 for d in dims if d.kind == "ellipsis")
     if n_ell > 1:

@@ -5,12 +5,13 @@ Kept free of torch imports so every other module (and users' ``-W`` filters) can
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 __all__ = [
     "OpContractsError",
     "ContractFileError",
+    "FileProblem",
     "ContractViolation",
     "ContractWarning",
     "ContractFixWarning",
@@ -22,27 +23,82 @@ class OpContractsError(Exception):
     """Base class of every error opcontracts raises on purpose."""
 
 
+class FileProblem(NamedTuple):
+    """One thing wrong with a contract: where (file, contract, dotted field) and what."""
+
+    message: str
+    file: str | None = None
+    contract: str | None = None
+    field: str | None = None
+    obj: str | None = None
+    """the Python object being built when there is no file (``Arg``, ``Contract``)"""
+
+    def where(self, *, with_file: bool = True) -> str:
+        parts = []
+        if with_file and self.file:
+            parts.append(str(self.file))
+        elif self.obj and not self.file and not self.contract:
+            parts.append(self.obj)
+        if self.contract:
+            parts.append(f"contract {self.contract}")
+        if self.field:
+            parts.append(f"field {self.field}")
+        return ", ".join(parts)
+
+
 class ContractFileError(OpContractsError, ValueError):
     """A contract file or inline contract is malformed.
 
-    ``file``, ``contract`` (the op name or ``#index``) and ``field`` (dotted path) say where.
+    ``file``, ``contract`` (the op name or ``#index``) and ``field`` (dotted path) say where the
+    first problem is; ``problems`` holds every problem found (the message lists them, up to
+    ``MAX_SHOWN``).
     """
 
+    MAX_SHOWN = 50
+
     def __init__(self, message: str, *, file: str | None = None, contract: str | None = None,
-                 field: str | None = None) -> None:
-        self.file = file
-        self.contract = contract
-        self.field = field
-        self.reason = message
-        where = []
-        if file:
-            where.append(str(file))
-        if contract:
-            where.append(f"contract {contract}")
-        if field:
-            where.append(f"field {field}")
-        prefix = ": ".join([", ".join(where)]) if where else "contract"
-        super().__init__(f"{prefix}: {message}")
+                 field: str | None = None, obj: str | None = None,
+                 problems: Sequence[FileProblem] = ()) -> None:
+        probs = tuple(problems) or (FileProblem(message, file, contract, field, obj),)
+        first = probs[0]
+        self.problems: tuple[FileProblem, ...] = probs
+        self.file = first.file
+        self.contract = first.contract
+        self.field = first.field
+        self.reason = first.message
+        super().__init__(_describe(probs))
+
+    @classmethod
+    def of(cls, problems: Sequence[FileProblem]) -> ContractFileError:
+        """One error for several problems (of one file, or of the files of a folder)."""
+        if not problems:
+            raise ValueError("no problems")
+        return cls(problems[0].message, problems=problems)
+
+    def __reduce__(self) -> Any:  # picklable (pytest-xdist, multiprocessing)
+        return (_rebuild_file_error, (self.problems,))
+
+
+def _rebuild_file_error(problems: tuple[FileProblem, ...]) -> ContractFileError:
+    return ContractFileError.of([FileProblem(*p) for p in problems])
+
+
+def _describe(problems: Sequence[FileProblem]) -> str:
+    if len(problems) == 1:
+        p = problems[0]
+        return f"{p.where() or 'contract'}: {p.message}"
+    files = list(dict.fromkeys(p.file for p in problems))
+    one_file = len(files) == 1 and files[0] is not None
+    head = f"{files[0]}: {len(problems)} problems" if one_file else \
+        f"{len(problems)} problems" + (f" in {len(files)} files" if len(files) > 1 else "")
+    lines = [head + ":"]
+    for p in problems[:ContractFileError.MAX_SHOWN]:
+        where = p.where(with_file=not one_file)
+        lines.append(f"  {where}: {p.message}" if where else f"  {p.message}")
+    hidden = len(problems) - ContractFileError.MAX_SHOWN
+    if hidden > 0:
+        lines.append(f"  ... {hidden} more not shown (fix these first)")
+    return "\n".join(lines)
 
 
 def format_violation(

@@ -12,22 +12,37 @@ A contract file is a list of ``[[contract]]`` tables::
     shape = "N K"
     optional = true
 
-Every error names the file, the contract and the field.
+Every error names the file, the contract and the field, and one ``ContractFileError`` lists
+every problem of a file (or of the files of a folder).  Whatever a file holds (wrong types in
+any field, dates, junk bytes, deep nesting, huge expressions), loading it raises
+``ContractFileError`` and nothing else; so do ``Arg(...)`` and ``Contract(...)`` built in Python.
 """
 
 from __future__ import annotations
 
+import difflib
+import keyword
 import os
+import reprlib
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from ._dtypes import dtype_name, parse_dtype
 from ._shapes import parse_shape
-from .errors import ContractFileError
+from .errors import ContractFileError, FileProblem
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -35,24 +50,72 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 __all__ = ["Arg", "Contract", "When", "ValueRule", "DimBound", "load_contracts",
-           "contracts_from_toml"]
+           "contracts_from_toml", "contract_files", "RESERVED_PREFIX"]
 
 _Bound = int | str  # an integer or a shape expression over bound names ("N*K", "E")
+_Size = Annotated[StrictInt, Field(ge=0)]
+_Positive = Annotated[StrictInt, Field(ge=1)]
+
+RESERVED_PREFIX = "_oc_"
+"""names of the generated checkers' own locals start with this: no argument may"""
+
+
+class _FieldProblems(ValueError):
+    """Raised by a validator that found problems in sub-fields: (dotted sub-field, message)
+    pairs, so each problem is reported at its own field (pydantic keeps the exception in the
+    error's ``ctx``)."""
+
+    def __init__(self, problems: Sequence[tuple[str | None, str]]) -> None:
+        self.problems = list(problems)
+        super().__init__("; ".join(m for _, m in self.problems))
+
+
+_short = reprlib.Repr()
+_short.maxlevel, _short.maxstring, _short.maxother, _short.maxlist = 3, 60, 60, 6
+
+
+def _show(v: Any) -> str:
+    """``type repr`` of a user's value, short whatever it is (deeply nested, huge)."""
+    try:
+        return f"{type(v).__name__} {_short.repr(v)}"
+    except Exception:  # noqa: BLE001 - a value whose repr fails must not hide the problem
+        return type(v).__name__
+
+
+def _items(v: Any, what: str) -> list[Any]:
+    """One value or a list/tuple of them, as a list (the caller checks each item's type, so
+    a number, a table or a date where a string belongs is reported as such)."""
+    if isinstance(v, (list, tuple)):
+        if not v:
+            raise ValueError(f"{what} list is empty")
+        return list(v)
+    return [v]
+
+
+def _name_problem(name: Any, what: str = "argument name") -> str | None:
+    """Why ``name`` cannot be a parameter of the generated checker, or ``None``."""
+    if not isinstance(name, str):
+        return f"{what} must be a string, got {_show(name)}"
+    if not name.isidentifier():
+        return f"{what} {name!r} is not a Python identifier"
+    if keyword.iskeyword(name):
+        return f"{what} {name!r} is a Python keyword: no Python callable can take it"
+    if name.startswith(RESERVED_PREFIX):
+        return f"{what} {name!r} starts with {RESERVED_PREFIX!r}, reserved for opcontracts' generated code"
+    return None
 
 
 def _check_bound(v: Any) -> Any:
-    if v is None or isinstance(v, bool):
-        if isinstance(v, bool):
-            raise ValueError("expected an integer or a shape expression, got a boolean")
+    if v is None:
         return v
-    if isinstance(v, int):
+    if isinstance(v, int) and not isinstance(v, bool):
         return v
     if isinstance(v, str):
         spec = parse_shape(v)
         if len(spec.dims) != 1 or spec.dims[0].kind in ("any", "ellipsis"):
             raise ValueError(f"expected one integer or expression such as 'N*K', got {v!r}")
         return v
-    raise ValueError(f"expected an integer or a shape expression, got {v!r}")
+    raise ValueError(f"expected an integer or a shape expression such as 'E', got {_show(v)}")
 
 
 class _Frozen(BaseModel):
@@ -61,22 +124,32 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True,
                               arbitrary_types_allowed=True, defer_build=True)
 
+    def __repr_args__(self) -> Any:
+        # only the fields that differ from their defaults: ``Arg(dtype=('bfloat16',))``, not
+        # twenty ``=None`` (inspect.signature of an annotated wrapper prints this repr)
+        for name, info in type(self).model_fields.items():
+            if not info.repr:
+                continue
+            value = getattr(self, name)
+            if value != info.default:
+                yield name, value
+
 
 class ValueRule(_Frozen):
     """Checks that read tensor values; they run only when value checks are enabled."""
 
-    permutation: bool = False
+    permutation: StrictBool = False
     """the values are a permutation of ``[0, numel)`` (no duplicates, none out of range)"""
-    nonnegative: bool = False
-    nondecreasing: bool = False
-    increasing: bool = False
+    nonnegative: StrictBool = False
+    nondecreasing: StrictBool = False
+    increasing: StrictBool = False
     lt: _Bound | None = None
     """every value is below this bound (an integer or an expression such as ``E``)"""
     last: _Bound | None = None
     """the last value equals this"""
     sum: _Bound | None = None
     """the values sum to this"""
-    finite: bool = False
+    finite: StrictBool = False
 
     _v = field_validator("lt", "last", "sum", mode="before")(_check_bound)
 
@@ -85,14 +158,18 @@ class DimBound(_Frozen):
     """Limits on one named size of a shape (``dims = {K = {le = 512}}``): kernels document
     such limits (topK <= 512, head dim < 896) and fail or misbehave beyond them."""
 
-    ge: int | None = None
-    le: int | None = None
-    lt: int | None = None
+    ge: _Size | None = None
+    le: _Size | None = None
+    lt: _Positive | None = None
 
     @model_validator(mode="after")
     def _some(self) -> DimBound:
         if (self.ge, self.le, self.lt) == (None, None, None):
             raise ValueError("give at least one of ge, le, lt")
+        lo = self.ge
+        hi = self.le if self.lt is None else self.lt - 1 if self.le is None else min(self.le, self.lt - 1)
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError(f"no size satisfies {self!r}")
         return self
 
 
@@ -107,19 +184,20 @@ class Arg(_Frozen):
     shape: tuple[str, ...] | None = None
     """a shape string, or a list of alternatives with different ranks"""
     rank: tuple[int, ...] | None = None
+    """one rank or a list of them"""
     same_dtype_as: str | None = None
     same_dtype_except: dict[str, tuple[str, ...]] | None = None
     """with ``same_dtype_as``: extra dtypes allowed for a given partner dtype ({bf16 = ["fp32"]})"""
     same_shape_as: str | None = None
-    optional: bool = False
+    optional: StrictBool = False
     """``None`` (or leaving the argument out) is allowed"""
     fix: Literal["cast", "never"] | None = None
     """``fix`` mode: floats are cast by default; ``cast`` also allows integer narrowing when the
     values fit; ``never`` forbids repairs"""
-    contiguous: bool = False
-    tensor_list: bool = Field(default=False, alias="list")
+    contiguous: StrictBool = False
+    tensor_list: StrictBool = Field(default=False, alias="list")
     """the argument is a list/tuple of tensors; rules apply to every element"""
-    max_len: int | None = None
+    max_len: _Positive | None = None
     ge: _Bound | None = None
     le: _Bound | None = None
     lt: _Bound | None = None
@@ -128,9 +206,9 @@ class Arg(_Frozen):
     values: ValueRule | None = None
     dims: dict[str, DimBound] | None = None
     """bounds on sizes named in this argument's shape: ``dims = {K = {le = 512}}``"""
-    numel_lt: int | None = None
+    numel_lt: _Positive | None = None
     """the tensor has fewer than this many elements (kernels index with 24- or 32-bit ints)"""
-    int_list: bool = False
+    int_list: StrictBool = False
     """a list or tuple of ints is accepted too, checked as a 1-D int64 tensor (MindSpeed's gmm
     takes ``group_list`` either way)"""
     source: str | None = None
@@ -146,17 +224,17 @@ class Arg(_Frozen):
             data["dtype"] = dtype
         if shape is not None:
             data["shape"] = shape
-        super().__init__(**data)
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:  # the project's error: field, expected, got; no URL
+            raise ContractFileError.of(_problems(exc, Arg, obj="Arg")) from None
 
     @field_validator("dtype", mode="before")
     @classmethod
     def _dtypes(cls, v: Any) -> Any:
         if v is None:
             return v
-        items = [v] if isinstance(v, str) or not isinstance(v, Iterable) else list(v)
-        if not items:
-            raise ValueError("dtype list is empty")
-        return tuple(dtype_name(parse_dtype(x)) for x in items)
+        return tuple(dtype_name(parse_dtype(x)) for x in _items(v, "dtype"))
 
     @field_validator("same_dtype_except", mode="before")
     @classmethod
@@ -164,11 +242,11 @@ class Arg(_Frozen):
         if v is None:
             return v
         if not isinstance(v, Mapping):
-            raise ValueError("expected a table such as {bf16 = ['fp32']}")
+            raise ValueError(f"expected a table such as {{bf16 = ['fp32']}}, got {_show(v)}")
         out = {}
         for k, vals in v.items():
-            vals = [vals] if isinstance(vals, str) else list(vals)
-            out[dtype_name(parse_dtype(k))] = tuple(dtype_name(parse_dtype(x)) for x in vals)
+            items = _items(vals, f"same_dtype_except.{k}")
+            out[dtype_name(parse_dtype(k))] = tuple(dtype_name(parse_dtype(x)) for x in items)
         return out
 
     @field_validator("shape", mode="before")
@@ -176,17 +254,15 @@ class Arg(_Frozen):
     def _shapes(cls, v: Any) -> Any:
         if v is None:
             return v
-        items = [v] if isinstance(v, str) else list(v)
-        if not items:
-            raise ValueError("shape list is empty")
+        items = _items(v, "shape")
         ranks = set()
-        for s in items:
-            spec = parse_shape(s)
+        specs = [parse_shape(s) for s in items]  # a non-string says "a shape must be a string"
+        for s, spec in zip(items, specs):
             key = ("...", spec.fixed_rank) if spec.has_ellipsis else spec.fixed_rank
             if key in ranks:
                 raise ValueError(f"shape alternatives must differ in rank, {s!r} repeats one")
             ranks.add(key)
-        if len(items) > 1 and any(parse_shape(s).has_ellipsis for s in items):
+        if len(items) > 1 and any(spec.has_ellipsis for spec in specs):
             raise ValueError("shape alternatives cannot use '...'")
         return tuple(items)
 
@@ -195,22 +271,49 @@ class Arg(_Frozen):
     def _rank(cls, v: Any) -> Any:
         if v is None:
             return v
-        items = [v] if isinstance(v, int) else list(v)
+        if isinstance(v, (list, tuple)):
+            items = _items(v, "rank")
+        elif isinstance(v, int) and not isinstance(v, bool):
+            items = [v]
+        else:
+            raise ValueError(f"rank must be an integer or a list of integers such as [2, 3], "
+                             f"got {_show(v)}")
         for r in items:
             if not isinstance(r, int) or isinstance(r, bool) or r < 0:
-                raise ValueError(f"rank must be a non-negative integer, got {r!r}")
+                raise ValueError(f"rank must be a non-negative integer, got {_show(r)}")
+        return tuple(items)
+
+    @field_validator("allowed", mode="before")
+    @classmethod
+    def _allowed(cls, v: Any) -> Any:
+        if v is None:
+            return v
+        items = _items(v, "allowed")
+        for x in items:
+            if x is not None and not isinstance(x, (bool, int, float, str)):
+                raise ValueError("allowed values are None, booleans, numbers or strings, "
+                                 f"got {_show(x)}")
         return tuple(items)
 
     _b = field_validator("ge", "le", "lt", mode="before")(_check_bound)
 
     @model_validator(mode="after")
     def _dims_named(self) -> Arg:
+        problems: list[tuple[str | None, str]] = []
         if self.dims:
             named = {n for s in (self.shape or ()) for n in parse_shape(s).names}
-            missing = [n for n in self.dims if n not in named]
-            if missing:
-                raise ValueError(f"dims names {missing}, which the shape of this argument "
-                                 "does not mention")
+            for n in self.dims:
+                if n not in named:
+                    shape = f"shape {' or '.join(map(repr, self.shape))}" if self.shape else "no shape"
+                    problems.append((f"dims.{n}", f"names {n!r}, which this argument's shape does "
+                                                  f"not mention ({shape})"))
+        if self.same_dtype_except is not None and self.same_dtype_as is None:
+            problems.append(("same_dtype_except", "needs same_dtype_as (the partner whose dtype "
+                                                  "it makes exceptions for)"))
+        if self.max_len is not None and not self.tensor_list:
+            problems.append(("max_len", "applies to a list of tensors: add list = true"))
+        if problems:
+            raise _FieldProblems(problems)
         return self
 
     @property
@@ -266,7 +369,7 @@ class Contract(_Frozen):
     doc: str | None = None
     signature: tuple[str, ...] | None = None
     """parameter names in call order when the target's signature cannot be read"""
-    same_device: bool = False
+    same_device: StrictBool = False
     """check that every tensor argument is on the same device (``get_device()``, ~45 ns per
     tensor: opt-in, since most kernels' own dispatch already rejects mixed devices)"""
     file: str | None = Field(default=None, repr=False)
@@ -276,7 +379,16 @@ class Contract(_Frozen):
             data["op"] = op
         if args is not None:
             data["args"] = args
-        super().__init__(**data)
+        label = _label(data.get("op"))
+        file = data.get("file") if isinstance(data.get("file"), str) else None
+        early = [q._replace(file=file, contract=label, obj="Contract") for q in _name_problems(data)]
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:  # the project's error: field, expected, got; no URL
+            problems = _problems(exc, Contract, file=file, contract=label, obj="Contract")
+            raise ContractFileError.of(_unique(early + problems)) from None
+        if early:  # pragma: no cover - the model validator finds the same problems
+            raise ContractFileError.of(early)
 
     @field_validator("op")
     @classmethod
@@ -288,26 +400,135 @@ class Contract(_Frozen):
     @field_validator("targets", mode="before")
     @classmethod
     def _targets(cls, v: Any) -> Any:
-        items = [v] if isinstance(v, str) else list(v or ())
+        if v is None:
+            return ()
+        if not isinstance(v, (str, list, tuple)):
+            raise ValueError("targets must be a dotted path or a list of them, such as "
+                             f"['torch_npu.npu_swiglu'], got {_show(v)}")
+        items = [v] if isinstance(v, str) else list(v)
         for t in items:
             if not isinstance(t, str) or "." not in t or any(not p.isidentifier() for p in t.split(".")):
-                raise ValueError(f"target must be a dotted path such as 'torch_npu.npu_swiglu', got {t!r}")
+                raise ValueError(f"target must be a dotted path such as 'torch_npu.npu_swiglu', got {_show(t)}")
         return tuple(items)
 
     @model_validator(mode="after")
     def _relations(self) -> Contract:
+        problems = _name_problems({"args": self.args, "signature": self.signature})
+        out: list[tuple[str | None, str]] = [(p.field, p.message) for p in problems]
         for name, arg in self.args.items():
             for field in ("same_dtype_as", "same_shape_as"):
                 partner = getattr(arg, field)
                 if partner is not None and partner not in self.args:
-                    raise ValueError(
-                        f"args.{name}.{field} names {partner!r}, which is not an argument of this contract"
-                    )
+                    out.append((f"args.{name}.{field}", f"names {partner!r}, which is not an "
+                                f"argument of this contract (arguments: {', '.join(self.args)})"))
+                elif partner == name:
+                    out.append((f"args.{name}.{field}", "names the argument itself"))
         if self.signature is not None:
             missing = [a for a in self.args if a not in self.signature]
             if missing:
-                raise ValueError(f"signature lacks the arguments {missing}")
+                out.append(("signature", f"lacks the arguments {missing}"))
+        if out:
+            raise _FieldProblems(out)
         return self
+
+
+def _label(op: Any) -> str | None:
+    """How a message names a contract: its op, when that is a usable string."""
+    if isinstance(op, str) and op.strip():
+        return op if len(op) <= 80 else op[:77] + "..."
+    return None
+
+
+def _name_problems(data: Mapping[str, Any]) -> list[FileProblem]:
+    """Argument names that no generated checker can take as parameters (keywords, non-
+    identifiers, the reserved prefix), and repeats in ``signature``; checked on the raw data
+    too, so they are listed along with the type errors pydantic finds."""
+    out: list[FileProblem] = []
+    args = data.get("args")
+    if isinstance(args, Mapping):
+        for name in args:
+            why = _name_problem(name)
+            if why:
+                out.append(FileProblem(why, field=f"args.{name}"))
+    sig = data.get("signature")
+    if isinstance(sig, (list, tuple)):
+        seen: set[str] = set()
+        for i, name in enumerate(sig):
+            why = _name_problem(name, "parameter name")
+            if why is None and name in seen:
+                why = f"names {name!r} twice"
+            if why:
+                out.append(FileProblem(why, field=f"signature[{i}]"))
+            if isinstance(name, str):
+                seen.add(name)
+    return out
+
+
+def _unique(problems: Sequence[FileProblem]) -> list[FileProblem]:
+    return list(dict.fromkeys(problems))
+
+
+_NESTED: dict[tuple[type[BaseModel], str], tuple[type[BaseModel], bool]] = {
+    (Contract, "args"): (Arg, True),
+    (Contract, "when"): (When, False),
+    (Arg, "values"): (ValueRule, False),
+    (Arg, "dims"): (DimBound, True),
+}
+
+
+def _known_fields(model: type[BaseModel]) -> list[str]:
+    return sorted((f.alias or n) for n, f in model.model_fields.items() if f.repr)
+
+
+def _unknown_field(root: type[BaseModel], loc: tuple[Any, ...]) -> str:
+    model: type[BaseModel] | None = root
+    parts, i = loc[:-1], 0
+    while model is not None and i < len(parts):
+        nxt = _NESTED.get((model, str(parts[i])))
+        if nxt is None:
+            model = None
+            break
+        model, keyed = nxt
+        i += 2 if keyed else 1
+    if model is None or not loc:
+        return "unknown field"
+    known = _known_fields(model)
+    close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"unknown field{hint} ({model.__name__} fields: {', '.join(known)})"
+
+
+def _problems(exc: ValidationError, root: type[BaseModel], *, file: str | None = None,
+              contract: str | None = None, obj: str | None = None) -> list[FileProblem]:
+    """Every error of a pydantic ``ValidationError`` as a ``FileProblem`` at its field."""
+    out: list[FileProblem] = []
+    for err in exc.errors(include_url=False):
+        loc = tuple(p for p in err.get("loc", ()) if not (isinstance(p, str) and "[" in p))
+        ctx_err = (err.get("ctx") or {}).get("error")
+        # problems found below this location: by a validator that names sub-fields, or by a
+        # nested model's own __init__ (pydantic calls a custom __init__ for nested tables)
+        subs: list[tuple[str | None, str]] | None = None
+        if isinstance(ctx_err, _FieldProblems):
+            subs = ctx_err.problems
+        elif isinstance(ctx_err, ContractFileError):
+            subs = [(p.field, p.message) for p in ctx_err.problems]
+        if subs is not None:
+            for sub, msg in subs:
+                field = ".".join([*(str(p) for p in loc), *([sub] if sub else [])]) or None
+                out.append(FileProblem(msg, file, contract, field, obj))
+            continue
+        kind = err.get("type")
+        msg = _clean(str(err.get("msg", "")))
+        if kind == "extra_forbidden":
+            msg = _unknown_field(root, loc)
+        elif kind == "missing":
+            msg = "missing required field"
+            if loc == ("args",):
+                msg += " (add [contract.args.NAME] tables)"
+        elif kind not in ("value_error", "assertion_error"):
+            msg = f"{msg}, got {_show(err.get('input'))}"
+        out.append(FileProblem(msg, file, contract, _loc(loc) or None, obj))
+    return _unique(out)
 
 
 def _loc(loc: tuple[Any, ...]) -> str:
@@ -321,61 +542,94 @@ def _clean(msg: str) -> str:
     return msg
 
 
-def _contract_from_table(table: Any, file: str, index: int) -> Contract:
+def _contract_from_table(table: Any, file: str, index: int) -> tuple[Contract | None,
+                                                                     list[FileProblem]]:
+    """The contract of one ``[[contract]]`` table, or every problem found in it."""
     if not isinstance(table, Mapping):
-        raise ContractFileError("each [[contract]] entry must be a table", file=file,
-                                contract=f"#{index}")
-    label = str(table.get("op") or f"#{index}")
-    if "op" not in table:
-        raise ContractFileError("missing required field", file=file, contract=label, field="op")
-    if "args" not in table:
-        raise ContractFileError("missing required field (add [contract.args.NAME] tables)",
-                                file=file, contract=label, field="args")
-    try:
-        return Contract.model_validate({**table, "file": file})
+        return None, [FileProblem(f"each [[contract]] entry must be a table, got {_show(table)}",
+                                  file, f"#{index}")]
+    label = _label(table.get("op")) or f"#{index}"
+    try:  # (pydantic calls Contract.__init__, which adds the argument-name problems)
+        contract = Contract.model_validate({**table, "file": file})
     except ValidationError as exc:
-        err = exc.errors()[0]
-        field = _loc(tuple(err.get("loc", ()))) or None
-        msg = _clean(err.get("msg", str(exc)))
-        if err.get("type") == "extra_forbidden":
-            msg = "unknown field"
-        more = len(exc.errors()) - 1
-        if more:
-            msg += f" (and {more} more problem{'s' if more > 1 else ''})"
-        raise ContractFileError(msg, file=file, contract=label, field=field) from None
-    except ValueError as exc:  # from our own validators outside pydantic's wrapping
-        raise ContractFileError(str(exc), file=file, contract=label) from None
+        return None, _problems(exc, Contract, file=file, contract=label)
+    except ContractFileError as exc:
+        return None, [q._replace(file=file, contract=label, obj=None) for q in exc.problems]
+    except RecursionError:
+        return None, [FileProblem("values nested too deeply", file, label)]
+    except Exception as exc:  # noqa: BLE001 - a user's file never kills a job; say it is ours
+        return None, [FileProblem(f"could not be validated ({type(exc).__name__}: {exc}); this is "
+                                  "a bug in opcontracts, please report it", file, label)]
+    return contract, []
 
 
 def contracts_from_toml(text: str, file: str = "<string>") -> list[Contract]:
-    """Parse TOML text holding ``[[contract]]`` tables."""
+    """Parse TOML text holding ``[[contract]]`` tables; one ``ContractFileError`` lists every
+    problem of the text."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ContractFileError(f"invalid TOML: {exc}", file=file) from None
+    except RecursionError:  # tomllib's parser recurses on nested arrays and inline tables
+        raise ContractFileError("invalid TOML: arrays or tables nested too deeply", file=file) from None
+    except Exception as exc:  # noqa: BLE001 - whatever the parser raises, the file is at fault
+        raise ContractFileError(f"invalid TOML ({type(exc).__name__}: {exc})", file=file) from None
+    problems: list[FileProblem] = []
     unknown = [k for k in data if k != "contract"]
     if unknown:
-        raise ContractFileError(f"unknown top-level key(s) {unknown}; expected [[contract]] tables",
-                                file=file, field=unknown[0])
+        problems.append(FileProblem(f"unknown top-level key(s) {unknown}; expected [[contract]] "
+                                    "tables", file, field=unknown[0]))
     tables = data.get("contract", [])
     if not isinstance(tables, list):
-        raise ContractFileError("'contract' must be an array of tables ([[contract]])", file=file,
-                                field="contract")
-    return [_contract_from_table(t, file, i) for i, t in enumerate(tables)]
+        problems.append(FileProblem("'contract' must be an array of tables ([[contract]]), got "
+                                    f"{_show(tables)}", file, field="contract"))
+        tables = []
+    out: list[Contract] = []
+    for i, t in enumerate(tables):
+        c, found = _contract_from_table(t, file, i)
+        problems.extend(found)
+        if c is not None:
+            out.append(c)
+    if problems:
+        raise ContractFileError.of(problems)
+    return out
 
 
-def load_contracts(path: str | os.PathLike[str]) -> list[Contract]:
-    """Load contracts from a TOML file or from every ``*.toml`` under a folder (sorted)."""
+def contract_files(path: str | os.PathLike[str]) -> list[Path]:
+    """The contract files at ``path``: the file itself, or every ``*.toml`` under a folder
+    (sorted).  ``ContractFileError`` when there is nothing there."""
     p = Path(path)
-    if p.is_dir():
-        out: list[Contract] = []
-        for f in sorted(p.rglob("*.toml")):
-            out.extend(load_contracts(f))
-        return out
+    try:
+        if p.is_dir():
+            return sorted(f for f in p.rglob("*.toml"))
+    except OSError as exc:
+        raise ContractFileError(f"cannot list the folder: {exc}", file=str(p)) from None
     if not p.exists():
         raise ContractFileError("no such file or folder", file=str(p))
+    return [p]
+
+
+def _load_file(p: Path) -> list[Contract]:
     try:
         text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ContractFileError(f"cannot read: {exc}", file=str(p)) from None
     return contracts_from_toml(text, file=str(p))
+
+
+def load_contracts(path: str | os.PathLike[str]) -> list[Contract]:
+    """Load contracts from a TOML file or from every ``*.toml`` under a folder (sorted).
+
+    Raises one ``ContractFileError`` listing every problem of every file (each names its
+    file, contract and field).  ``opcontracts.use(path)`` also registers them.
+    """
+    out: list[Contract] = []
+    problems: list[FileProblem] = []
+    for f in contract_files(path):
+        try:
+            out.extend(_load_file(f))
+        except ContractFileError as exc:
+            problems.extend(exc.problems)
+    if problems:
+        raise ContractFileError.of(problems)
+    return out
