@@ -1,4 +1,4 @@
-"""Backward formulas of the differentiable emulated ops.
+"""Backward of the differentiable emulated ops.
 
 Two kinds, on purpose:
 
@@ -7,40 +7,27 @@ Two kinds, on purpose:
   through ``torch.ops.npu.<name>``, looked up at call time, so a wrapper installed on that
   attribute sees backward calls, and the grad kernel's dtype profile applies (the incident).
 * The other differentiable ops (routing-map permute/unpermute, grouped matmul, rms_norm,
-  swiglu, rotary_mul, fusion_attention) get composite formulas in plain PyTorch on the saved
-  inputs. The facts table names no backward kernels for them, so no profile applies to their
-  backward.
+  swiglu, rotary_mul, fusion_attention) run the composite formula of their reference
+  (``opcontracts.reference``: ``Reference.backward``) on the saved inputs. The facts table
+  names no backward kernels for them, so no profile applies to their backward.
 
 Every formula: ``(inputs, outputs, grads) -> {argument name: gradient}`` (see ``_autograd``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from . import _kernels as K
+from .. import reference
 
 __all__ = ["BACKWARDS"]
-
-_F32 = torch.float32
 
 
 def _ops() -> Any:
     """``torch.ops.npu``, resolved at call time (never cached)."""
     return torch.ops.npu
-
-
-def _reduce_to(grad: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
-    """Sum ``grad`` over the dimensions that were broadcast from ``shape``."""
-    while grad.dim() > len(shape):
-        grad = grad.sum(0)
-    for d, size in enumerate(shape):
-        if size == 1 and grad.size(d) != 1:
-            grad = grad.sum(d, keepdim=True)
-    return grad
 
 
 # --------------------------------------------------------------------------- through grad ops
@@ -72,225 +59,16 @@ def unpermute_backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict
     return {"permuted_tokens": grad_permuted, "probs": grad_probs if probs is not None else None}
 
 
-# --------------------------------------------------------------------------- composite
-
-
-def _routing_grad_probs(
-    grad_permuted_probs: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
-) -> torch.Tensor:
-    """Scatter per-permuted-row prob grads (expert-major order) back to (N, E)."""
-    n_tokens, n_experts = routing_map.shape
-    rank, valid = K._slot_of_destination(routing_map, grad_permuted_probs.numel())
-    flat = grad_permuted_probs.to(_F32).reshape(-1)
-    if flat.numel() == 0:
-        per_entry = torch.zeros(rank.shape, dtype=_F32, device=rank.device)
-    else:
-        per_entry = flat.index_select(0, rank) * valid.to(_F32)
-    return per_entry.view(n_experts, n_tokens).T.to(probs.dtype)
-
-
-def permute_with_routing_map_backward(
-    inputs: dict[str, Any], outputs: Any, grads: Any
-) -> dict[str, Any]:
-    tokens, routing_map, probs = inputs["tokens"], inputs["routing_map"], inputs["probs"]
-    grad_permuted, grad_permuted_probs, _ = grads
-    _, _, sorted_indices = outputs
-    n_tokens = tokens.size(0)
-    g = grad_permuted.to(_F32)
-    grad_tokens = torch.zeros(tokens.shape, dtype=_F32, device=tokens.device)
-    result: dict[str, Any] = {}
-    if inputs["drop_and_pad"]:
-        grad_tokens = K.scatter_add_rows(grad_tokens, sorted_indices, g)
-        if probs is not None:
-            n_experts = routing_map.size(1)
-            ids, valid = K.safe_index(sorted_indices, n_tokens)
-            gp = grad_permuted_probs.to(_F32).reshape(-1) * valid.to(_F32)
-            grad_probs_t = torch.zeros((n_experts, n_tokens), dtype=_F32, device=tokens.device)
-            grad_probs_t = grad_probs_t.scatter_add(1, ids.view(n_experts, -1), gp.view(n_experts, -1))
-            result["probs"] = grad_probs_t.T.to(probs.dtype)
-    else:
-        topk = max(sorted_indices.numel() // n_tokens, 1) if n_tokens else 1
-        rows = K.gather_rows(g, sorted_indices)
-        owner = torch.arange(rows.size(0), device=rows.device) // topk
-        grad_tokens = K.scatter_add_rows(grad_tokens, owner, rows)
-        if probs is not None:
-            result["probs"] = _routing_grad_probs(grad_permuted_probs, routing_map, probs)
-    result["tokens"] = grad_tokens.to(tokens.dtype)
-    return result
-
-
-def unpermute_with_routing_map_backward(
-    inputs: dict[str, Any], outputs: Any, grads: Any
-) -> dict[str, Any]:
-    permuted = inputs["permuted_tokens"]
-    sorted_indices = inputs["sorted_indices"]
-    probs, routing_map = inputs["probs"], inputs["routing_map"]
-    drop_and_pad = inputs["drop_and_pad"]
-    g = grads.to(_F32)
-    n_tokens = g.size(0)
-    rows_f = permuted.to(_F32)
-    weights = K._routing_unpermute_weights(
-        sorted_indices, probs, routing_map, drop_and_pad, permuted.size(0)
-    )
-    result: dict[str, Any] = {}
-    if drop_and_pad:
-        g_rows = K.gather_rows(g, sorted_indices)  # grad of each permuted row, unweighted
-        grad_permuted = g_rows * (weights.unsqueeze(1) if weights is not None else 1.0)
-        grad_permuted = K.fit(grad_permuted.reshape(-1), rows_f.numel()).view(rows_f.shape)
-        if probs is not None:
-            n_experts = probs.size(1)
-            dots = (rows_f[: g_rows.size(0)] * g_rows).sum(1)
-            ids, valid = K.safe_index(sorted_indices, n_tokens)
-            grad_t = torch.zeros((n_experts, n_tokens), dtype=_F32, device=g.device)
-            grad_t = grad_t.scatter_add(1, ids.view(n_experts, -1), (dots * valid).view(n_experts, -1))
-            result["probs"] = grad_t.T.to(probs.dtype)
-    else:
-        topk = max(sorted_indices.numel() // n_tokens, 1) if n_tokens else 1
-        owner = torch.arange(sorted_indices.numel(), device=g.device) // topk
-        g_slots = K.gather_rows(g, owner)  # per token-major slot
-        w_slots = K.gather_rows(weights.unsqueeze(1), sorted_indices) if weights is not None else None
-        contrib = g_slots * w_slots if w_slots is not None else g_slots
-        grad_permuted = K.scatter_add_rows(torch.zeros_like(rows_f), sorted_indices, contrib)
-        if probs is not None:
-            dots = (K.gather_rows(rows_f, sorted_indices) * g_slots).sum(1, keepdim=True)
-            per_row = K.scatter_add_rows(rows_f.new_zeros((rows_f.size(0), 1)), sorted_indices, dots)
-            if routing_map is not None:
-                result["probs"] = _routing_grad_probs(per_row.view(-1), routing_map, probs)
-            else:
-                result["probs"] = K.fit(per_row.view(-1), probs.numel()).view(probs.shape).to(probs.dtype)
-    result["permuted_tokens"] = grad_permuted.to(permuted.dtype)
-    return result
-
-
-def grouped_matmul_backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[str, Any]:
-    """Grads of x, weight and bias; the grouped case uses a one-hot row->group map so that the
-    backward has static shapes (traceable by torch.compile)."""
-    x: list[torch.Tensor] = list(inputs["x"])
-    weight: list[torch.Tensor] = list(inputs["weight"])
-    bias = inputs["bias"]
-    gs = [g.to(_F32) for g in grads]
-    result: dict[str, Any] = {}
-    if K.is_grouped(x, inputs["group_type"]):
-        xs = x[0].to(_F32)
-        w3 = weight[0].to(_F32) if len(weight) == 1 and weight[0].dim() == 3 else torch.stack(
-            [w.to(_F32) for w in weight]
-        )
-        n_groups = w3.size(0)
-        g = gs[0] if len(gs) == 1 else torch.cat(gs, 0)
-        if inputs["split_item"] not in (2, 3):  # per-group outputs; rows past the end get none
-            g = torch.cat([g, g.new_zeros((xs.size(0) - g.size(0), g.size(1)))], 0)
-        group_list = inputs["group_list"]
-        if group_list is None:
-            ends = torch.full((n_groups,), xs.size(0), dtype=torch.int64, device=xs.device)
-        else:
-            values = K.fit(group_list.reshape(-1).long(), n_groups)
-            ends = torch.cumsum(values, 0) if inputs["group_list_type"] == 1 else values
-        row = torch.arange(xs.size(0), device=xs.device)
-        group_of_row = torch.searchsorted(ends.contiguous(), row, right=True)  # E: past the end
-        onehot = (group_of_row.unsqueeze(1) == torch.arange(n_groups, device=xs.device)).to(_F32)
-        grad_x = torch.einsum("me,mn,ekn->mk", onehot, g, w3)
-        grad_w3 = torch.einsum("me,mk,mn->ekn", onehot, xs, g)
-        result["x"] = [grad_x.to(x[0].dtype)]
-        if len(weight) == 1 and weight[0].dim() == 3:
-            result["weight"] = [grad_w3.to(weight[0].dtype)]
-        else:
-            result["weight"] = [gw.to(w.dtype) for gw, w in zip(grad_w3.unbind(0), weight, strict=True)]
-        if bias:
-            grad_b = torch.einsum("me,mn->en", onehot, g)
-            result["bias"] = [gb.to(b.dtype) for gb, b in zip(grad_b.unbind(0), bias, strict=False)]
-        return result
-    ws = K.grouped_weights(weight)
-    if len(gs) == 1 and len(x) > 1:  # split_item 2/3: one concatenated output
-        gs = list(gs[0].split([xi.size(0) for xi in x], 0))
-    result["x"] = [(g @ w.to(_F32).T).to(xi.dtype) for g, w, xi in zip(gs, ws, x, strict=False)]
-    result["weight"] = [
-        (xi.to(_F32).T @ g).to(w.dtype) for g, w, xi in zip(gs, ws, x, strict=False)
-    ]
-    if bias:
-        result["bias"] = [g.sum(0).to(b.dtype) for g, b in zip(gs, bias, strict=False)]
-    return result
-
-
-def rms_norm_backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[str, Any]:
-    x, gamma = inputs["self"], inputs["gamma"]
-    grad_y, grad_rstd = grads
-    _, rstd = outputs
-    dims = K.rms_norm_dims(gamma)
-    xf, gf = x.to(_F32), gamma.to(_F32)
-    count = 1
-    for d in dims:
-        count *= x.size(d)
-    x_hat = xf * rstd
-    gy = grad_y.to(_F32) * gf
-    grad_x = rstd * (gy - x_hat * (gy * x_hat).mean(dim=dims, keepdim=True))
-    if grad_rstd is not None:
-        grad_x = grad_x - grad_rstd.to(_F32) * rstd.pow(3) * xf / count
-    grad_gamma = _reduce_to(grad_y.to(_F32) * x_hat, gamma.shape)
-    return {"self": grad_x.to(x.dtype), "gamma": grad_gamma.to(gamma.dtype)}
-
-
-def swiglu_backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[str, Any]:
-    x, dim = inputs["self"], inputs["dim"]
-    a, b = x.to(_F32).chunk(2, dim=dim)
-    g = grads.to(_F32)
-    sig = torch.sigmoid(a)
-    grad_a = g * b * sig * (1 + a * (1 - sig))
-    grad_b = g * a * sig
-    return {"self": torch.cat([grad_a, grad_b], dim=dim).to(x.dtype)}
-
-
-def rotary_mul_backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[str, Any]:
-    x, r1, r2, mode = inputs["self"], inputs["r1"], inputs["r2"], inputs["rotary_mode"]
-    g = grads.to(_F32)
-    xf = x.to(_F32)
-    grad_x = _reduce_to(g * r1.to(_F32) + K.rotate_transposed(g * r2.to(_F32), mode), x.shape)
-    return {
-        "self": grad_x.to(x.dtype),
-        "r1": _reduce_to(g * xf, r1.shape).to(r1.dtype),
-        "r2": _reduce_to(g * K.rotated(xf, mode), r2.shape).to(r2.dtype),
+def _backwards() -> dict[str, Any]:
+    table: dict[str, Any] = {
+        "npu_moe_token_permute": permute_backward,
+        "npu_moe_token_unpermute": unpermute_backward,
     }
+    for name in reference.names():
+        ref = reference.get(name)
+        if ref is not None and ref.backward is not None and not name.startswith("mindspeed."):
+            table[name] = ref.backward
+    return table
 
 
-def fusion_attention_backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[str, Any]:
-    """Softmax attention backward, recomputing the probabilities; stats outputs get no grad."""
-    query, key, value = inputs["query"], inputs["key"], inputs["value"]
-    layout, pse = inputs["input_layout"], inputs["pse"]
-    heads, kv_heads = K.attention_heads(query, key, inputs["head_num"], layout)
-    q = K.attention_layout_to_bnsd(query, layout, heads).to(_F32)
-    k_small = K.attention_layout_to_bnsd(key, layout, kv_heads).to(_F32)
-    v_small = K.attention_layout_to_bnsd(value, layout, kv_heads).to(_F32)
-    k, v = K.expand_kv(k_small, heads), K.expand_kv(v_small, heads)
-    scale = inputs["scale"]
-    scores = K.attention_scores(q, k, scale, pse, inputs["atten_mask"], inputs["sparse_mode"])
-    p = torch.softmax(scores, dim=-1)
-    grad_out = K.attention_layout_to_bnsd(grads[0], layout, heads).to(_F32)
-    grad_v = torch.matmul(p.transpose(-1, -2), grad_out)
-    grad_p = torch.matmul(grad_out, v.transpose(-1, -2))
-    grad_s = p * (grad_p - (grad_p * p).sum(dim=-1, keepdim=True))
-    grad_q = torch.matmul(grad_s, k) * scale
-    grad_k = torch.matmul(grad_s.transpose(-1, -2), q) * scale
-    if kv_heads != heads:
-        group = heads // kv_heads
-        grad_k = grad_k.unflatten(1, (kv_heads, group)).sum(2)
-        grad_v = grad_v.unflatten(1, (kv_heads, group)).sum(2)
-    result: dict[str, Any] = {
-        "query": K.bnsd_to_attention_layout(grad_q, layout).to(query.dtype),
-        "key": K.bnsd_to_attention_layout(grad_k, layout).to(key.dtype),
-        "value": K.bnsd_to_attention_layout(grad_v, layout).to(value.dtype),
-    }
-    if pse is not None:
-        result["pse"] = _reduce_to(grad_s, pse.shape).to(pse.dtype)
-    return result
-
-
-BACKWARDS = {
-    "npu_moe_token_permute": permute_backward,
-    "npu_moe_token_unpermute": unpermute_backward,
-    "npu_moe_token_permute_with_routing_map": permute_with_routing_map_backward,
-    "npu_moe_token_unpermute_with_routing_map": unpermute_with_routing_map_backward,
-    "npu_grouped_matmul": grouped_matmul_backward,
-    "npu_rms_norm": rms_norm_backward,
-    "npu_swiglu": swiglu_backward,
-    "npu_rotary_mul": rotary_mul_backward,
-    "npu_fusion_attention": fusion_attention_backward,
-}
+BACKWARDS = _backwards()

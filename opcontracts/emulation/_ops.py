@@ -7,8 +7,9 @@ marker and defaults and leave out the quantization / TND-only arguments.
 
 Per op the registration is:
 
-* ``CompositeExplicitAutograd``: the reference kernel, entered through ``_raw.kernel_view`` so
-  that arguments in a dtype the active profile does not support are misread, as on the NPU;
+* ``CompositeExplicitAutograd``: the op's reference (``opcontracts.reference``), entered
+  through ``_raw.kernel_view`` so that arguments in a dtype the active profile does not
+  support are misread, as on the NPU;
 * a fake implementation (``torch.library.register_fake``) for ``torch.compile``;
 * for differentiable ops, an ``Autograd`` kernel (``_autograd``) running ``_backward``'s formula.
 
@@ -27,7 +28,8 @@ from typing import Any
 import torch
 from torch.library import Library
 
-from . import _fakes, _kernels, _raw
+from .. import reference
+from . import _fakes, _raw
 from ._autograd import BackwardFn, make_autograd_kernel
 from ._backward import BACKWARDS
 
@@ -69,11 +71,18 @@ class OpDef:
     backward: BackwardFn | None = None
 
 
+def _reference(name: str) -> Callable[..., Any]:
+    ref = reference.get(name)
+    if ref is None:  # pragma: no cover - a schema without a reference is a packaging bug
+        raise RuntimeError(f"opcontracts.reference has no reference for emulated op {name!r}")
+    return ref.forward
+
+
 OPS: tuple[OpDef, ...] = tuple(
     OpDef(
         name=name,
         schema=schema,
-        kernel=getattr(_kernels, name),
+        kernel=_reference(name),
         fake=getattr(_fakes, name),
         backward=BACKWARDS.get(name),
     )

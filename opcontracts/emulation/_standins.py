@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..reference._attention import npu_ring_attention_update as _ring_reference
 from ._ops import NAMESPACE, OP_NAMES
 
 __all__ = ["MARKER", "MODULE_NAMES", "StandinFinder", "is_standin"]
@@ -95,33 +96,14 @@ def npu_rotary_position_embedding(x, cos, sin, mode=0):  # type: ignore[no-untyp
 
 
 def npu_ring_attention_update(prev_attn_out, prev_softmax_max, prev_softmax_sum, cur_attn_out, cur_softmax_max, cur_softmax_sum, actual_seq_qlen=None, layout="SBH"):  # type: ignore[no-untyped-def]
-    """Merge two partial attention results by their softmax statistics (plain PyTorch).
+    """Merge two partial attention results by their softmax statistics (plain PyTorch: MindSpeed's
+    reference, ``opcontracts.reference``).
 
     Layout "SBH": attn_out (S, B, H), stats (B, N, S, 8); layout "TND": attn_out (T, N, D),
     stats (T, N, 8). Returns (attn_out, softmax_max, softmax_sum).
     """
-    new_max = torch.maximum(prev_softmax_max, cur_softmax_max)
-    prev_scaled = prev_softmax_sum * torch.exp(prev_softmax_max - new_max)
-    cur_scaled = cur_softmax_sum * torch.exp(cur_softmax_max - new_max)
-    new_sum = prev_scaled + cur_scaled
-    prev_w, cur_w = prev_scaled / new_sum, cur_scaled / new_sum
-    if layout == "SBH":
-        seq, batch, hidden = prev_attn_out.shape
-        heads = prev_softmax_max.size(1)
-
-        def spread(w: torch.Tensor) -> torch.Tensor:  # (B, N, S, 8) -> (S, B, H)
-            per_head = w[..., 0].permute(2, 0, 1).unsqueeze(-1)
-            return per_head.expand(seq, batch, heads, hidden // heads).reshape(seq, batch, hidden)
-
-    elif layout == "TND":
-
-        def spread(w: torch.Tensor) -> torch.Tensor:  # (T, N, 8) -> (T, N, D)
-            return w[..., :1].expand_as(prev_attn_out)
-
-    else:
-        raise NotImplementedError(f"layout {layout!r} is not emulated (SBH, TND)")
-    out = prev_attn_out.float() * spread(prev_w) + cur_attn_out.float() * spread(cur_w)
-    return out.to(prev_attn_out.dtype), new_max, new_sum
+    return _ring_reference(prev_attn_out, prev_softmax_max, prev_softmax_sum, cur_attn_out,
+                           cur_softmax_max, cur_softmax_sum, actual_seq_qlen, layout)
 
 
 # --------------------------------------------------------------------------- module builders

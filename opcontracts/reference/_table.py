@@ -1,0 +1,70 @@
+"""The shipped references: ONE entry per op (see the package docstring for how to add one)."""
+
+from __future__ import annotations
+
+from . import Reference, _attention, _examples, _grads, _matmul, _mindspeed, _moe, _norm
+
+_DOCS = "torch_npu 2.13/2.14 _op_plugin_docs.py"
+_MS = "MindSpeed master, docs/ops/"
+
+SHIPPED: tuple[Reference, ...] = (
+    # MoE permute family (CANN aclnnMoeTokenPermute / aclnnMoeTokenUnpermute)
+    Reference("npu_moe_token_permute", _moe.npu_moe_token_permute,
+              example=_examples.permute, source=f"{_DOCS}; CANN aclnnMoeTokenPermute"),
+    Reference("npu_moe_token_permute_grad", _moe.npu_moe_token_permute_grad,
+              example=_examples.permute_grad, grad_of="npu_moe_token_permute",
+              source=f"{_DOCS} (derivatives of npu_moe_token_permute)"),
+    Reference("npu_moe_token_unpermute", _moe.npu_moe_token_unpermute,
+              example=_examples.unpermute, source=f"{_DOCS}; CANN aclnnMoeTokenUnpermute"),
+    Reference("npu_moe_token_unpermute_grad", _moe.npu_moe_token_unpermute_grad,
+              example=_examples.unpermute_grad, grad_of="npu_moe_token_unpermute",
+              source=f"{_DOCS} (derivatives of npu_moe_token_unpermute)"),
+    Reference("npu_moe_token_permute_with_routing_map",
+              _moe.npu_moe_token_permute_with_routing_map,
+              backward=_grads.permute_with_routing_map_backward,
+              example=_examples.permute_routing,
+              source=f"{_DOCS}; CANN aclnnMoeTokenPermuteWithRoutingMap"),
+    Reference("npu_moe_token_unpermute_with_routing_map",
+              _moe.npu_moe_token_unpermute_with_routing_map,
+              backward=_grads.unpermute_with_routing_map_backward,
+              example=_examples.unpermute_routing,
+              source=f"{_DOCS}; CANN aclnnMoeTokenUnpermuteWithRoutingMap"),
+    # MoE routing family
+    Reference("npu_moe_init_routing", _moe.npu_moe_init_routing,
+              example=_examples.init_routing, source=f"{_DOCS}; CANN aclnnMoeInitRouting"),
+    Reference("npu_moe_finalize_routing", _moe.npu_moe_finalize_routing,
+              example=_examples.finalize_routing,
+              source=f"{_DOCS}; CANN aclnnMoeFinalizeRouting"),
+    Reference("npu_moe_gating_top_k_softmax", _moe.npu_moe_gating_top_k_softmax,
+              example=_examples.gating, source=f"{_DOCS}; CANN aclnnMoeGatingTopKSoftmax"),
+    Reference("npu_moe_compute_expert_tokens", _moe.npu_moe_compute_expert_tokens,
+              example=_examples.expert_tokens,
+              source=f"{_DOCS}; CANN aclnnMoeComputeExpertTokens"),
+    # grouped matmul, norms, activations, attention
+    Reference("npu_grouped_matmul", _matmul.npu_grouped_matmul,
+              backward=_grads.grouped_matmul_backward, example=_examples.grouped_matmul,
+              source=f"{_DOCS}; CANN aclnnGroupedMatmulV4 (non-quantized)"),
+    Reference("npu_rms_norm", _norm.npu_rms_norm, backward=_grads.rms_norm_backward,
+              example=_examples.rms_norm, source=_DOCS),
+    Reference("npu_swiglu", _norm.npu_swiglu, backward=_grads.swiglu_backward,
+              example=_examples.swiglu, source=_DOCS),
+    Reference("npu_rotary_mul", _norm.npu_rotary_mul, backward=_grads.rotary_mul_backward,
+              example=_examples.rotary_mul, source=_DOCS),
+    Reference("npu_fusion_attention", _attention.npu_fusion_attention,
+              backward=_grads.fusion_attention_backward, example=_examples.fusion_attention,
+              source=f"{_DOCS} (softmax attention; dropout and token windows not covered)"),
+    # MindSpeed ops (contract op names mindspeed.<fn>)
+    Reference("mindspeed.npu_moe_token_unpermute", _mindspeed.npu_moe_token_unpermute,
+              example=_examples.unpermute, source=f"{_MS}npu_moe_token_unpermute.md"),
+    Reference("mindspeed.npu_moe_token_permute", _mindspeed.npu_moe_token_permute,
+              example=_examples.permute, source=f"{_MS}npu_moe_token_permute.md"),
+    Reference("mindspeed.npu_gmm", _mindspeed.npu_gmm, example=_examples.gmm,
+              source=f"{_MS}gmm.md"),
+    Reference("mindspeed.npu_gmm_v2", _mindspeed.npu_gmm_v2, example=_examples.gmm_v2,
+              source=f"{_MS}gmm.md"),
+    Reference("mindspeed.npu_rotary_position_embedding",
+              _mindspeed.npu_rotary_position_embedding, example=_examples.rope,
+              source=f"{_MS}npu_rotary_position_embedding.md"),
+    Reference("mindspeed.npu_ring_attention_update", _mindspeed.npu_ring_attention_update,
+              example=_examples.ring, source=f"{_MS}npu_ring_attention_update.md"),
+)
