@@ -13,12 +13,13 @@ import enum
 import functools
 import os
 import threading
-import warnings
 from collections.abc import Callable, Mapping
 from contextlib import ContextDecorator
 from contextvars import ContextVar, Token
 from types import MappingProxyType
 from typing import Any, TypeVar
+
+from .errors import SettingError
 
 __all__ = ["Mode", "set_mode", "get_mode", "mode", "current_state", "mode_for"]
 
@@ -43,7 +44,7 @@ def parse_mode(value: str | Mode, *, where: str = "mode") -> Mode:
     try:
         return Mode(str(value).strip().lower())
     except ValueError:
-        raise ValueError(
+        raise SettingError(
             f"{where}: unknown mode {value!r}; expected one of strict, warn, fix, off"
         ) from None
 
@@ -69,14 +70,13 @@ class _State:
 
 
 def _initial() -> _State:
+    """The starting mode, from ``OPCONTRACTS_MODE``.  A value that is not a mode stops the
+    start-up (``import opcontracts`` raises ``SettingError``): falling back to ``warn`` would
+    let a CI typo (``OPCONTRACTS_MODE=stirct``) silently weaken checking."""
     raw = os.environ.get("OPCONTRACTS_MODE", "").strip()
     if not raw:
         return _State(WARN)
-    try:
-        return _State(parse_mode(raw))
-    except ValueError as exc:
-        warnings.warn(f"OPCONTRACTS_MODE: {exc}; using 'warn'", RuntimeWarning, stacklevel=2)
-        return _State(WARN)
+    return _State(parse_mode(raw, where="OPCONTRACTS_MODE"))
 
 
 _global_state = _initial()
@@ -156,6 +156,11 @@ def clear_overrides() -> None:
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+# the (mode object, token) pairs entered in this context, innermost last: context-local like
+# the state itself, so the token an exit resets is always one its own context created
+_entered: ContextVar[tuple[tuple[mode, Token[_State | None]], ...]] = ContextVar(
+    "opcontracts_mode_entered", default=())
+
 
 class mode(ContextDecorator):  # noqa: N801 - reads like numpy.errstate
     """Use a mode for a block or a function: ``with opcontracts.mode("strict"): ...`` or
@@ -169,24 +174,26 @@ class mode(ContextDecorator):  # noqa: N801 - reads like numpy.errstate
     def __init__(self, mode: str | Mode, *, op: str | None = None) -> None:
         self.mode = parse_mode(mode)
         self.op = op
-        self._tokens: list[Token[_State | None]] = []
-        self._tl = threading.local()
-
-    def _stack(self) -> list[Token[_State | None]]:
-        st = getattr(self._tl, "stack", None)
-        if st is None:
-            st = self._tl.stack = []
-        return st
 
     def __enter__(self) -> mode:
         cur = current_state()
         new = _State(self.mode) if self.op is None else cur.with_mode(self.mode, self.op)
-        self._stack().append(_ctx.set(new))
+        token = _ctx.set(new)
+        _entered.set(_entered.get() + ((self, token),))
         _sync()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _ctx.reset(self._stack().pop())
+        # the innermost entry of this object in *this* context (task, thread): one object
+        # entered by two overlapping asyncio tasks resets each task's own token
+        stack = _entered.get()
+        for i in range(len(stack) - 1, -1, -1):
+            if stack[i][0] is self:
+                _entered.set(stack[:i] + stack[i + 1:])
+                _ctx.reset(stack[i][1])
+                break
+        else:  # pragma: no cover - exit without enter
+            raise RuntimeError(f"{self!r} exited in a context that did not enter it")
         _sync()
 
     def _recreate_cm(self) -> mode:

@@ -12,6 +12,7 @@ __all__ = [
     "OpContractsError",
     "ContractFileError",
     "FileProblem",
+    "SettingError",
     "ContractViolation",
     "ContractWarning",
     "ContractFixWarning",
@@ -99,6 +100,12 @@ def _describe(problems: Sequence[FileProblem]) -> str:
     if hidden > 0:
         lines.append(f"  ... {hidden} more not shown (fix these first)")
     return "\n".join(lines)
+
+
+class SettingError(OpContractsError, ValueError):
+    """A setting opcontracts cannot use: an unknown mode name, or an environment variable
+    holding a value it does not understand (``OPCONTRACTS_MODE=bogus`` stops the start-up,
+    naming the variable and the valid values)."""
 
 
 def format_violation(

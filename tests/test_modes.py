@@ -41,14 +41,19 @@ def test_default_mode_is_warn():
     assert out.stdout.strip() == "warn"
 
 
-def test_env_var_sets_mode_and_bad_value_warns():
+def test_env_var_sets_mode_and_a_bad_value_stops_the_start_up():
+    # a CI typo must not silently weaken checking: OPCONTRACTS_MODE=loud used to fall back to
+    # warn with a warning at an internal line; now the import fails, naming the variable
     code = "import opcontracts; print(opcontracts.get_mode())"
     env = {**os.environ, "OPCONTRACTS_MODE": "strict"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.stdout.strip() == "strict"
-    env["OPCONTRACTS_MODE"] = "loud"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert out.stdout.strip() == "warn" and "unknown mode 'loud'" in out.stderr
+    for line in (code, "import opcontracts.patch"):
+        env["OPCONTRACTS_MODE"] = "loud"
+        out = subprocess.run([sys.executable, "-c", line], env=env, capture_output=True, text=True)
+        assert out.returncode == 1 and out.stdout == ""
+        assert ("opcontracts.errors.SettingError: OPCONTRACTS_MODE: unknown mode 'loud'; "
+                "expected one of strict, warn, fix, off") in out.stderr
 
 
 def test_set_mode_returns_previous_and_validates():
@@ -57,6 +62,8 @@ def test_set_mode_returns_previous_and_validates():
     assert opcontracts.set_mode("off") == "strict"
     with pytest.raises(ValueError, match="unknown mode"):
         opcontracts.set_mode("loud")
+    with pytest.raises(opcontracts.OpContractsError, match="unknown mode"):
+        opcontracts.mode("loud")
 
 
 def test_strict_raises_before_the_call():
@@ -201,3 +208,30 @@ def test_asyncio_tasks_are_isolated():
         return await asyncio.gather(task("off", 0.02), task("fix", 0.01), decorated())
 
     assert asyncio.run(main()) == ["off", "fix", "strict"]
+
+
+def test_one_mode_object_entered_by_two_overlapping_tasks():
+    # the first task to leave used to raise "Token ... was created in a different Context":
+    # the object's token stack was thread-local, and both tasks run on one thread
+    shared = opcontracts.mode("strict")
+    order: list[str] = []
+
+    async def task(name: str, delay: float) -> str:
+        with shared:
+            order.append(f"enter {name}")
+            await asyncio.sleep(delay)
+            seen = opcontracts.get_mode()
+        order.append(f"leave {name}")
+        return f"{seen} then {opcontracts.get_mode()}"
+
+    async def main() -> list[str]:
+        with opcontracts.mode("fix"):
+            return await asyncio.gather(task("a", 0.01), task("b", 0.05))
+
+    assert asyncio.run(main()) == ["strict then fix", "strict then fix"]
+    assert order == ["enter a", "enter b", "leave a", "leave b"]
+    assert opcontracts.get_mode() == "warn"
+    with shared:  # still usable, and nests with itself
+        with shared:
+            assert opcontracts.get_mode() == "strict"
+    assert opcontracts.get_mode() == "warn"
