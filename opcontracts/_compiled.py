@@ -7,7 +7,8 @@ Dynamo traces the guard like any Python function, so the guard switches to this 
 * the optimistic checker is traced: dtype and static-shape comparisons fold to constants under
   dynamo's own guards, so a conforming call adds nothing to the compiled code;
 * on a violation, ``_decide`` runs *at trace time* as plain Python (``assume_constant_result``):
-  it rebuilds the arguments as meta tensors, runs the careful checker, records the violation,
+  it rebuilds the arguments as meta tensors (dtype, shape and strides: ``contiguous`` rules
+  read them), runs the careful checker, records the violation,
   warns (``warn``: emitted from eager Python, once per compilation and call site, never from
   inside the graph where ``warnings.warn`` would break it) and returns a constant plan;
 * ``strict``: the plan calls a ``torch.compiler.disable``-d function that raises the very same
@@ -18,6 +19,10 @@ Dynamo traces the guard like any Python function, so the guard switches to this 
   tensors); ``.to(dtype)`` is traced into the graph.  An integer narrowing depends on the
   values, which tracing does not have: that call is fixed eagerly by a ``torch.compiler.disable``-d
   function (a graph break, only on such a call).
+
+When the meta tensors conform although the traced check failed (they lost what a rule read,
+such as a device), the call is decided eagerly on the real tensors, as outside compile (a graph
+break on that call only): a rule is never skipped because tracing cannot answer it.
 
 Value checks need data and are not run under compile.
 """
@@ -54,8 +59,8 @@ _pending: dict[int, ContractViolation] = {}
 
 
 def _meta(v: Any) -> Any:
-    if isinstance(v, torch.Tensor):
-        return ("T", v.dtype, tuple(v.shape))
+    if isinstance(v, torch.Tensor):  # strides too: `contiguous` rules read them
+        return ("T", v.dtype, tuple(v.shape), tuple(v.stride()))
     if isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in v):
         return ("L", tuple(_meta(x) for x in v), isinstance(v, tuple))
     if v is None or isinstance(v, (bool, int, float, str)):
@@ -66,7 +71,7 @@ def _meta(v: Any) -> Any:
 def _rebuild(m: Any) -> Any:
     kind = m[0]
     if kind == "T":
-        return torch.empty(m[2], dtype=m[1], device="meta")
+        return torch.empty_strided(m[2], m[3], dtype=m[1], device="meta")
     if kind == "L":
         items = [_rebuild(x) for x in m[1]]
         return tuple(items) if m[2] else items
@@ -91,9 +96,12 @@ def _decide(key: int, mode: str, arg_metas: tuple[Any, ...], kw_metas: tuple[Any
     args = [_rebuild(m) for m in arg_metas]
     kwargs = {k: _rebuild(m) for k, m in kw_metas}
     raw = cc.check(*args, **kwargs)
-    if raw is None:
-        return ("call",)
     m = _modes.parse_mode(mode)
+    if raw is None:
+        # the traced optimistic check failed, but the rebuilt meta tensors conform: they lost
+        # what the rule read (a device, say).  Decide on the real tensors, eagerly (a graph
+        # break on this call only), never by calling through unchecked.
+        return ("eager",)
     b = _Bound(cc, tuple(args), kwargs)
     if m is _modes.FIX:
         try:
@@ -146,11 +154,12 @@ def _raise(token: int) -> None:
     raise _pending[token]
 
 
-def _eager_fix(key: int, fn: Callable[..., Any], args: tuple[Any, ...],
-               kwargs: dict[str, Any]) -> Any:
-    """``fix`` of a repair that depends on the values: done eagerly (a graph break, only on
-    such a call), exactly as outside torch.compile."""
-    return _violated(_modes.FIX, BY_KEY[key], fn, args, kwargs, depth=1)
+def _eager(key: int, mode: str, fn: Callable[..., Any], args: tuple[Any, ...],
+           kwargs: dict[str, Any]) -> Any:
+    """The decision made eagerly, on the real tensors (a graph break, only on such a call),
+    exactly as outside torch.compile: a ``fix`` repair that depends on the values, or a rule
+    that the meta tensors rebuilt at trace time cannot answer."""
+    return _violated(_modes.parse_mode(mode), BY_KEY[key], fn, args, kwargs, depth=1)
 
 
 def _build(token: int, generation: int) -> int:
@@ -171,7 +180,7 @@ import torch._dynamo  # noqa: E402
 
 _decide_c = torch._dynamo.assume_constant_result(_decide)
 _raise_c = torch.compiler.disable(_raise)
-_eager_fix_c = torch.compiler.disable(_eager_fix)
+_eager_c = torch.compiler.disable(_eager)
 _build_c = torch._dynamo.assume_constant_result(_build)
 
 
@@ -196,7 +205,7 @@ def call(key: int, fn: Callable[..., Any], args: tuple[Any, ...],
     if plan[0] == "raise":
         _raise_c(plan[1])
     elif plan[0] == "eager":
-        return _eager_fix_c(key, fn, args, kwargs)
+        return _eager_c(key, m.value, fn, args, kwargs)
     elif plan[0] == "fix":
         new_args, new_kwargs = list(args), dict(kwargs)
         for step in plan[1]:

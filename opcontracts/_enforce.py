@@ -277,7 +277,8 @@ def _record_and_message(exc: ContractViolation, site: CallSite | None, m: _modes
 class _SiteEntry:
     """What a repeated violation at one call site needs: no frame walk, no message, no bind."""
 
-    __slots__ = ("site", "message", "category", "keys", "steps", "registry", "same", "casts")
+    __slots__ = ("site", "message", "category", "keys", "steps", "registry", "same", "casts",
+                 "nargs")
 
     def __init__(self, site: CallSite | None, message: str, category: type[Warning],
                  keys: list[tuple[str, str | None, str, str, str]],
@@ -294,15 +295,31 @@ class _SiteEntry:
         # binding nor the re-check is needed
         self.same: Callable[..., bool] | None = None
         self.casts: tuple[tuple[int, torch.dtype | None], ...] = ()
+        self.nargs = -1  # the positional count ``same`` was learnt for (one line may call twice)
 
 
 _site_cache: dict[tuple[Any, ...], _SiteEntry] = {}
 _report_mod._reset_callbacks.append(_site_cache.clear)  # cached entries point at records
 
 
+SITE_CACHE_SIZE = 4096
+"""cached violating call sites (the repeat path); beyond it the oldest is dropped (and pays the
+slow path again: its warn-once memory is kept separately, in ``_registries``)"""
+WARN_MEMORY_SIZE = 1 << 16
+"""(op, argument, rule, call site) warned about; beyond it the oldest may warn once more"""
+
+
+def _evict_oldest(d: dict[Any, Any], size: int) -> None:
+    """Keep ``d`` below ``size`` by dropping its oldest entries (insertion order)."""
+    while len(d) >= size:
+        try:
+            del d[next(iter(d))]
+        except (StopIteration, KeyError, RuntimeError):  # emptied or changed by another thread
+            return
+
+
 def _cache(key: tuple[Any, ...], entry: _SiteEntry) -> None:
-    if len(_site_cache) > 4096:  # bounded, whatever the number of call sites
-        _site_cache.clear()
+    _evict_oldest(_site_cache, SITE_CACHE_SIZE)  # bounded, whatever the number of call sites
     _site_cache[key] = entry
 
 
@@ -316,8 +333,7 @@ def _emit(entry: _SiteEntry) -> None:
         with _reg_lock:
             reg = _registries.get(key)
             if reg is None:
-                if len(_registries) > 4096:
-                    _registries.clear()
+                _evict_oldest(_registries, WARN_MEMORY_SIZE)
                 reg = _registries[key] = {}
         entry.registry = reg
     if site is None:
@@ -339,7 +355,7 @@ def _violated(m: _modes.Mode, cc: CompiledContract, fn: Callable[..., Any],
     if m is _modes.FIX:
         entry = _site_cache.get((cc.key, caller.f_code, caller.f_lineno, m))
         if entry is not None and entry.same is not None and not kwargs \
-                and not _values_switch(cc)[0] and entry.same(*args):
+                and len(args) == entry.nargs and not _values_switch(cc)[0] and entry.same(*args):
             new = list(args)
             for i, target in entry.casts:
                 new[i] = new[i].contiguous() if target is None else new[i].to(target)
@@ -497,6 +513,7 @@ def _learn_repair(entry: _SiteEntry, cc: CompiledContract, b: _Bound, repairs: l
         args[i] = r.raw.value
     entry.same = _memo.learn(tuple(args), _pins_strides(cc))
     entry.casts = tuple(reversed(casts))
+    entry.nargs = len(args)
 
 
 # --------------------------------------------------------------------------- the guard

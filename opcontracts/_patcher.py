@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import logging
 import sys
 import threading
@@ -80,6 +81,21 @@ def _owner_name(owner: Any) -> str:
     return repr(owner)
 
 
+def _may_appear(module: types.ModuleType, attr: str) -> bool:
+    """Whether ``module.attr`` may still appear: the module is still executing (its import is
+    under way), or ``attr`` names a submodule that is not imported yet (found on the module's
+    ``__path__`` without importing it)."""
+    spec = getattr(module, "__spec__", None)
+    if spec is not None and getattr(spec, "_initializing", False):
+        return True
+    if getattr(module, "__path__", None) is None:
+        return False  # not a package: no submodules
+    try:
+        return importlib.util.find_spec(f"{module.__name__}.{attr}") is not None
+    except (ImportError, ValueError, AttributeError):
+        return False
+
+
 def _is_autograd_function(obj: Any) -> bool:
     return isinstance(obj, type) and issubclass(obj, torch.autograd.Function)
 
@@ -101,6 +117,10 @@ class _PatchingLoader(importlib.abc.Loader):
         spec = getattr(module, "__spec__", None)
         if spec is not None and spec.loader is self:
             spec.loader = self._loader
+        if spec is not None and getattr(spec, "_initializing", False):
+            # the module has executed: what it lacks now, it lacks (importlib clears the flag
+            # itself a moment later, after this method returns)
+            spec._initializing = False
         try:
             module.__loader__ = self._loader
         except AttributeError:  # pragma: no cover
@@ -234,7 +254,9 @@ class Patcher:
             if status is None:
                 done.append(target)
                 self.missing.pop(target, None)
-            elif status != "pending" and target not in self.missing:
+            elif status == "pending":
+                self.missing.pop(target, None)  # waiting for its module, not missing
+            elif target not in self.missing:
                 self.missing[target] = status
                 log.debug("opcontracts: target %s of %s not found: %s", target, op, status)
         for t in done:
@@ -252,11 +274,14 @@ class Patcher:
             if mod is None:
                 continue
             owner: Any = mod
-            for p in parts[i:-1]:
+            for j, p in enumerate(parts[i:-1]):
                 try:
                     owner = getattr(owner, p)
-                except (AttributeError, RuntimeError) as exc:
-                    return f"{modname} has no attribute path {'.'.join(parts[i:-1])} ({exc})"
+                except (AttributeError, RuntimeError):
+                    if isinstance(owner, types.ModuleType) and _may_appear(owner, p):
+                        return "pending"  # a submodule not imported yet, or still executing
+                    path = ".".join(parts[i:i + j + 1])
+                    return f"{modname} has no attribute path {path}"
             return owner, parts[-1], modname
         return "pending"
 
@@ -273,8 +298,13 @@ class Patcher:
         try:
             current = getattr(owner, attr)
         except (AttributeError, RuntimeError):
-            if isinstance(owner, types.ModuleType) or type(owner).__name__ == "_OpNamespace":
-                return "pending"  # the module may define it later (torch.ops.npu before torch_npu)
+            if isinstance(owner, torch._ops._OpNamespace):
+                if "torch_npu" not in sys.modules:
+                    return "pending"  # torch.ops.npu before torch_npu registers its ops
+                return f"torch.ops.{owner.name} has no op {attr!r} (torch_npu is imported)"
+            if isinstance(owner, types.ModuleType) and _may_appear(owner, attr):
+                return "pending"
+            # kept pending too (a module may still set it later), but listed as not found
             return f"{_owner_name(owner)} has no attribute {attr!r}"
         if id(current) in self.guard_ids:
             # already ours: rebound earlier, or copied from a patched object (torch_npu's

@@ -2,6 +2,12 @@
 
 At most ``MAX_RECORDS`` distinct records are kept; further distinct ones only bump a counter,
 so a job that violates a contract on every step from a million call sites stays small.
+
+A report as JSON (``Report.to_dict``, ``write_report``) carries ``metadata``: the versions that
+decided which contracts applied, the mode, the command line, host, rank and time, so a file
+read days later says where it came from.  ``load_report`` / ``Report.from_dict`` check a file's
+shape and name every problem (``ReportFileError``): a merge never takes a stray JSON file for an
+empty report.
 """
 
 from __future__ import annotations
@@ -12,7 +18,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["Record", "Report", "record", "report", "reset_report", "MAX_RECORDS", "merge_reports"]
+from .errors import OpContractsError
+
+__all__ = ["Record", "Report", "ReportFileError", "record", "report", "reset_report",
+           "MAX_RECORDS", "merge_reports", "metadata", "write_report", "load_report"]
 
 MAX_RECORDS = 1000
 
@@ -28,10 +37,18 @@ class Record:
     message: str
     fixed: int = 0
     ranks: list[int] = field(default_factory=list)
+    # the rule's side and the argument's side, as the message's ``expected:`` / ``got:`` lines
+    # say them (``"bfloat16"``, ``"dtype float32 (shape (4, 2))"``): for tools reading the JSON
+    expected: str | None = None
+    got: str | None = None
 
     @property
     def key(self) -> tuple[str, str | None, str, str, str]:
         return (self.op, self.arg, self.rule, self.call_site, self.mode)
+
+
+DROPPED_MEMORY = 1 << 20
+"""distinct dropped records remembered (as hashes) so ``dropped`` counts each once"""
 
 
 class _Store:
@@ -40,9 +57,11 @@ class _Store:
         self.records: dict[tuple[str, str | None, str, str, str], Record] = {}
         self.dropped = 0
         self.total = 0
+        self.dropped_keys: set[int] = set()
 
     def add(self, op: str, arg: str | None, rule: str, call_site: str, mode: str,
-            message: str, fixed: bool, rank: int | None) -> tuple[Record | None, bool]:
+            message: str, fixed: bool, rank: int | None, expected: str | None = None,
+            got: str | None = None) -> tuple[Record | None, bool]:
         key = (op, arg, rule, call_site, mode)
         with self.lock:
             self.total += 1
@@ -52,10 +71,15 @@ class _Store:
                 rec.fixed += int(fixed)
                 return rec, False
             if len(self.records) >= MAX_RECORDS:
-                self.dropped += 1
-                return None, True
+                h = hash(key)
+                if h not in self.dropped_keys:  # distinct ones, as the report says
+                    if len(self.dropped_keys) < DROPPED_MEMORY:
+                        self.dropped_keys.add(h)
+                    self.dropped += 1
+                    return None, True
+                return None, False
             rec = Record(op, arg, rule, call_site, mode, 1, message, int(fixed),
-                         [rank] if rank is not None else [])
+                         [rank] if rank is not None else [], expected, got)
             self.records[key] = rec
             return rec, True
 
@@ -75,9 +99,11 @@ def bump(keys: list[tuple[str, str | None, str, str, str]], fixed: bool) -> None
 
 
 def record(op: str, arg: str | None, rule: str, call_site: str, mode: str, message: str,
-           fixed: bool = False, rank: int | None = None) -> tuple[Record | None, bool]:
-    """Count one violation; returns the record and whether it is new."""
-    return _store.add(op, arg, rule, call_site, mode, message, fixed, rank)
+           fixed: bool = False, rank: int | None = None, *, expected: str | None = None,
+           got: str | None = None) -> tuple[Record | None, bool]:
+    """Count one violation; returns the record and whether it is new.  ``expected`` / ``got``
+    are kept on a new record for the JSON (the violation's expected and got text)."""
+    return _store.add(op, arg, rule, call_site, mode, message, fixed, rank, expected, got)
 
 
 @dataclass
@@ -87,6 +113,9 @@ class Report:
     records: list[Record]
     dropped: int = 0
     total: int = 0
+    # where the report came from (``metadata()``): read from a file by ``from_dict``; None for a
+    # live snapshot, filled when it is written (``to_dict``)
+    metadata: dict[str, Any] | None = field(default=None, compare=False)
 
     def __bool__(self) -> bool:
         return bool(self.records)
@@ -95,7 +124,8 @@ class Report:
         return len(self.records)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"total": self.total, "dropped": self.dropped,
+        return {"metadata": self.metadata if self.metadata is not None else metadata(),
+                "total": self.total, "dropped": self.dropped,
                 "records": [asdict(r) for r in self.records]}
 
     def to_json(self, **kw: Any) -> str:
@@ -119,10 +149,143 @@ class Report:
         return self.table()
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Report:
+    def from_dict(cls, data: Any) -> Report:
+        """The report a ``to_dict`` (or a report file) holds.  Its shape is checked first:
+        ``ValueError`` listing every problem, each with its place (``records[2].count: ...``).
+        Keys it does not know (a newer opcontracts) are ignored."""
+        problems = check_report_data(data)
+        if problems:
+            raise ValueError(_problems_text(problems))
         fields = set(Record.__dataclass_fields__)
-        recs = [Record(**{k: v for k, v in r.items() if k in fields}) for r in data.get("records", [])]
-        return cls(recs, int(data.get("dropped", 0)), int(data.get("total", 0)))
+        recs = []
+        for r in data["records"]:
+            kw: dict[str, Any] = {k: v for k, v in r.items() if k in fields}
+            kw["ranks"] = list(kw.get("ranks", ()))
+            recs.append(Record(**kw))
+        meta = data.get("metadata")
+        return cls(recs, int(data.get("dropped", 0)), int(data.get("total", 0)),
+                   dict(meta) if isinstance(meta, dict) else None)
+
+
+class ReportFileError(OpContractsError, ValueError):
+    """A report file that cannot be read or is not an opcontracts report; the message starts
+    with the file's name and says every problem (``r.json: records[0].count: ...``)."""
+
+    def __init__(self, path: str, problems: Sequence[str]) -> None:
+        self.path = path
+        self.problems = list(problems)
+        self.files: list[ReportFileError] = [self]  # several bad files: one error each
+        super().__init__(f"{path}: {_problems_text(self.problems)}")
+
+    @classmethod
+    def several(cls, errors: Sequence[ReportFileError]) -> ReportFileError:
+        """One error for several bad files (``files``), one line each."""
+        err = cls(errors[0].path, errors[0].problems)
+        err.files = list(errors)
+        err.args = ("\n".join(str(e) for e in errors),)
+        return err
+
+
+# --------------------------------------------------------------------------- file shape
+_MAX_SHOWN = 10
+
+
+def _problems_text(problems: Sequence[str]) -> str:
+    if len(problems) == 1:
+        return problems[0]
+    shown = "; ".join(problems[:_MAX_SHOWN])
+    more = len(problems) - _MAX_SHOWN
+    return f"{len(problems)} problems: {shown}" + (f"; ... {more} more" if more > 0 else "")
+
+
+def _is_int(v: Any, low: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+
+def _short(v: Any) -> str:
+    text = json.dumps(v) if not isinstance(v, str) else repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+# field: (check, what it must be, required)
+_STR = (lambda v: isinstance(v, str), "a string")
+_OPT_STR = (lambda v: v is None or isinstance(v, str), "a string or null")
+_RECORD_FIELDS: dict[str, tuple[Any, str, bool]] = {
+    "op": (*_STR, True), "arg": (*_OPT_STR, True), "rule": (*_STR, True),
+    "call_site": (*_STR, True), "mode": (*_STR, True),
+    "count": (lambda v: _is_int(v, 1), "an integer >= 1", True),
+    "message": (*_STR, True),
+    "fixed": (_is_int, "an integer >= 0", False),
+    "ranks": (lambda v: isinstance(v, list) and all(_is_int(k) for k in v),
+              "a list of ranks (integers >= 0)", False),
+    "expected": (*_OPT_STR, False), "got": (*_OPT_STR, False),
+}
+_TOP_FIELDS: dict[str, tuple[Any, str]] = {
+    "total": (_is_int, "an integer >= 0"), "dropped": (_is_int, "an integer >= 0"),
+    "rank": (lambda v: v is None or _is_int(v), "a rank (an integer >= 0) or null"),
+    "metadata": (lambda v: v is None or isinstance(v, dict), "an object or null"),
+    "nan_sentinel": (lambda v: v is None or isinstance(v, dict), "an object or null"),
+}
+_NAN_EVENT_FIELDS: dict[str, tuple[Any, str, bool]] = {
+    "op": (*_STR, True), "direction": (*_STR, True), "kind": (*_STR, True),
+    "arg": (*_STR, True), "dtype": (*_STR, True),
+    "shape": (lambda v: isinstance(v, list) and all(_is_int(s) for s in v),
+              "a list of sizes", True),
+    "nan": (_is_int, "an integer >= 0", True), "inf": (_is_int, "an integer >= 0", True),
+    "call_site": (*_OPT_STR, False), "module": (*_OPT_STR, False),
+    "module_type": (*_OPT_STR, False), "backward_of": (*_OPT_STR, False),
+    "seq": (_is_int, "an integer >= 0", False),
+    "time": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number",
+             False),
+}
+
+
+def _check_fields(obj: Any, where: str, spec: dict[str, tuple[Any, str, bool]],
+                  out: list[str]) -> None:
+    if not isinstance(obj, dict):
+        out.append(f"{where}: expected an object, got {_short(obj)}")
+        return
+    for name, (ok, what, required) in spec.items():
+        if name not in obj:
+            if required:
+                out.append(f"{where}: no '{name}' field")
+        elif not ok(obj[name]):
+            out.append(f"{where}.{name}: expected {what}, got {_short(obj[name])}")
+
+
+def check_report_data(data: Any) -> list[str]:
+    """Every way ``data`` (a parsed report file) is not an opcontracts report; ``[]`` if it is
+    one.  An object without a ``records`` list is not a report (not an empty one)."""
+    if not isinstance(data, dict):
+        return [f"not an opcontracts report: expected a JSON object, got {_short(data)}"]
+    if "records" not in data:
+        keys = ", ".join(sorted(map(str, data))[:8]) or "none"
+        return [f"not an opcontracts report: no 'records' list (its keys: {keys})"]
+    out: list[str] = []
+    recs = data["records"]
+    if not isinstance(recs, list):
+        out.append(f"records: expected a list, got {_short(recs)}")
+        recs = []
+    for name, (ok, what) in _TOP_FIELDS.items():
+        if name in data and not ok(data[name]):
+            out.append(f"{name}: expected {what}, got {_short(data[name])}")
+    for i, r in enumerate(recs):
+        _check_fields(r, f"records[{i}]", _RECORD_FIELDS, out)
+    nan = data.get("nan_sentinel")
+    if isinstance(nan, dict):
+        for key in ("first", "received"):
+            if nan.get(key) is not None:
+                _check_fields(nan[key], f"nan_sentinel.{key}", _NAN_EVENT_FIELDS, out)
+        events = nan.get("events", [])
+        if not isinstance(events, list):
+            out.append(f"nan_sentinel.events: expected a list, got {_short(events)}")
+        else:
+            for i, e in enumerate(events):
+                _check_fields(e, f"nan_sentinel.events[{i}]", _NAN_EVENT_FIELDS, out)
+        for key in ("calls", "dropped"):
+            if key in nan and not _is_int(nan[key]):
+                out.append(f"nan_sentinel.{key}: expected an integer >= 0, got {_short(nan[key])}")
+    return out
 
 
 def table_lines(records: Iterable[Record]) -> list[str]:
@@ -186,6 +349,7 @@ def reset_report() -> None:
         _store.records.clear()
         _store.dropped = 0
         _store.total = 0
+        _store.dropped_keys.clear()
     _on_reset()
 
 
@@ -201,11 +365,11 @@ _reset_callbacks: list[Any] = []
 def current_rank() -> int | None:
     """This process's rank under torchrun / torch.distributed, or None when not distributed."""
     import os
+    import sys
 
+    dist = sys.modules.get("torch.distributed")  # not loaded: no process group (no torch import)
     try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
+        if dist is not None and dist.is_available() and dist.is_initialized():
             return int(dist.get_rank())
     except Exception:  # pragma: no cover - a broken backend must not hide the report
         pass
@@ -227,13 +391,44 @@ def report_path_for_rank(path: str, rank: int | None = None) -> str:
     return f"{root}.rank{rank}{ext or '.json'}"
 
 
+def metadata(*, rank: int | None = None) -> dict[str, Any]:
+    """Where a report comes from: opcontracts, torch, torch_npu, CANN and MindSpeed versions and
+    the SoC as they decided which contracts apply here (``opcontracts env``; ``emulated`` names
+    the CPU stand-ins), the mode, the command line, host, process, rank and time (UTC).
+    Reads nothing that is not loaded already (no torch import)."""
+    import os
+    import socket
+    import sys
+    from datetime import datetime, timezone
+
+    from . import __version__, _modes, _versions
+
+    env = _versions.current()
+    state = _modes.current_state()
+    return {
+        "opcontracts": __version__,
+        **{name: getattr(env, name) for name in _versions.FIELDS},
+        "emulated": list(env.emulated),
+        "mode": state.default.value,
+        "mode_by_op": {op: m.value for op, m in state.by_op.items()},
+        "argv": list(sys.argv),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "rank": current_rank() if rank is None else rank,
+        "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
 def write_report(path: str, rep: Report | None = None) -> str:
-    """Write the report as JSON (one file per rank when distributed); returns the path."""
+    """Write the report as JSON (one file per rank when distributed), with its ``metadata``;
+    returns the path."""
     import os
 
     rep = report() if rep is None else rep
     rank = current_rank()
     data = rep.to_dict()
+    if rep.metadata is None:
+        data["metadata"] = metadata(rank=rank)
     data["rank"] = rank
     out = report_path_for_rank(path, rank)
     d = os.path.dirname(out)
@@ -244,9 +439,35 @@ def write_report(path: str, rep: Report | None = None) -> str:
     return out
 
 
+def read_report_file(path: str) -> dict[str, Any]:
+    """The parsed contents of a report file, checked: ``ReportFileError`` naming the file and
+    every problem (cannot be read, not JSON, not a report, records with wrong fields)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise ReportFileError(path, ["no such file"]) from None
+    except IsADirectoryError:
+        raise ReportFileError(path, ["is a folder, not a report file"]) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ReportFileError(path, [f"cannot be read ({exc})"]) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ReportFileError(path, [f"not JSON (line {exc.lineno} column {exc.colno}: "
+                                     f"{exc.msg})"]) from None
+    except RecursionError:
+        raise ReportFileError(path, ["not a report: nested too deeply"]) from None
+    problems = check_report_data(data)
+    if problems:
+        raise ReportFileError(path, problems)
+    return data  # type: ignore[no-any-return]
+
+
 def load_report(path: str) -> Report:
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
+    """The report in a file ``write_report`` wrote (``ReportFileError`` if it is not one); each
+    record names the file's rank when it names none."""
+    data = read_report_file(path)
     rep = Report.from_dict(data)
     rank = data.get("rank")
     if rank is not None:
