@@ -176,11 +176,14 @@ def _one(v: Version, op: str, target: str) -> bool:
 
 def satisfies(version: str | Version, spec: str) -> bool:
     """Whether ``version`` meets ``spec`` (``">=8.0.0"``, ``"<2.13,>=2.7.1"``), comparing
-    normalised versions by plain ordering, pre-releases included: ``8.0.RC3`` meets ``<8.0.0``."""
+    normalised versions by plain ordering, pre-releases included: ``8.0.RC3`` meets ``<8.0.0``.
+    ``spec`` may hold alternatives joined by ``||`` (``">=2.13 || ==2.7.1.post11"``): any one
+    of them suffices.  Post releases order after their release (``2.7.1.post11 > 2.7.1``)."""
     v = version if isinstance(version, Version) else parse_version(version)
     if v is None:
         raise ValueError(f"cannot read version {version!r}")
-    return all(_one(v, op, target) for op, target in _specifiers(spec))
+    return any(all(_one(v, op, target) for op, target in _specifiers(alt.strip()))
+               for alt in spec.split("||"))
 
 
 def soc_matches(soc: str, names: Iterable[str]) -> bool:
@@ -200,8 +203,11 @@ def _conditions(when: When | dict[str, Any]) -> list[tuple[str, Any]]:
         for name in FIELDS:
             v = when.get(name)
             if v is not None:
-                out.append((name, (v,) if name == "soc" and isinstance(v, str) else
-                            (tuple(v) if name == "soc" else str(v))))
+                if name == "soc":
+                    out.append((name, (v,) if isinstance(v, str) else tuple(v)))
+                else:  # a list of alternatives, as When stores it: "a || b"
+                    out.append((name, " || ".join(map(str, v)) if isinstance(v, (list, tuple))
+                                else str(v)))
         return out
     return [(name, getattr(when, name)) for name in FIELDS if getattr(when, name) is not None]
 

@@ -328,7 +328,11 @@ class Arg(_Frozen):
 
 
 class When(_Frozen):
-    """Version conditions: packaging specifiers (``">=2.13"``) and chip names."""
+    """Version conditions: packaging specifiers (``">=2.13"``) and chip names.
+
+    A version field may also be a list of alternatives, any of which may hold
+    (``torch_npu = [">=2.13", ">=2.7.1.post11,<2.8"]``: torch_npu releases do not document in
+    version order); it is kept as one string, the alternatives joined by `` || ``."""
 
     torch_npu: str | None = None
     cann: str | None = None
@@ -343,11 +347,19 @@ class When(_Frozen):
             return v
         from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
-        try:
-            SpecifierSet(str(v))
-        except InvalidSpecifier:
-            raise ValueError(f"not a version specifier: {v!r} (try '>=8.0.0')") from None
-        return str(v)
+        if isinstance(v, (list, tuple)):
+            if not v or not all(isinstance(x, str) for x in v):
+                raise ValueError(f"expected a specifier or a non-empty list of them, got {v!r}")
+            parts = [str(x).strip() for x in v]
+        else:
+            parts = [p.strip() for p in str(v).split("||")]
+        for part in parts:
+            try:
+                SpecifierSet(part)
+            except InvalidSpecifier:
+                raise ValueError(f"not a version specifier: {part!r} (try '>=8.0.0', or a list "
+                                 "of alternatives such as ['>=2.13', '==2.7.1.post11'])") from None
+        return " || ".join(parts)
 
     @field_validator("soc", mode="before")
     @classmethod
