@@ -8,7 +8,10 @@ alone.  Two ways to put the ranks' reports side by side:
 * in the job: ``opcontracts.report(gather=True)``, a collective that returns the merged report on
   rank 0 (every rank must call it, like any ``torch.distributed`` collective);
 * afterwards: ``opcontracts report merge report.rank*.json`` on the files ``write_report`` (and
-  ``opcontracts run --report``) left, one per rank.
+  ``opcontracts run --report``) left, one per rank.  Every file is checked first (a file that is
+  not JSON, not a report, or has records with wrong fields stops the merge, named with what is
+  wrong); the NaN sentinel's findings (``run --nan-check``) are merged too: the first culprit
+  across ranks and which ranks saw it.
 
 Kept out of ``_report`` so that ``import opcontracts`` never imports ``torch.distributed``.
 """
@@ -22,11 +25,21 @@ import os
 import re
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from ._report import Record, Report, load_report, merge_reports, table_lines
+from ._report import (
+    Record,
+    Report,
+    ReportFileError,
+    merge_reports,
+    metadata,
+    read_report_file,
+    table_lines,
+)
 
-__all__ = ["gather_report", "merge_files", "format_merged", "cmd_merge"]
+__all__ = ["gather_report", "merge_files", "format_merged", "cmd_merge", "ReportFile",
+           "read_files", "merge_nan"]
 
 _RANK_FILE = re.compile(r"\.rank\d+\.json$")
 
@@ -116,37 +129,202 @@ def _expand(paths: Sequence[str]) -> list[str]:
     return out
 
 
-def _file_rank(path: str) -> int | None:
-    with open(path, encoding="utf-8") as f:
-        rank = json.load(f).get("rank")
-    return int(rank) if rank is not None else None
+@dataclass
+class ReportFile:
+    """One checked report file: its rank (None outside a distributed job), its violations, the
+    NaN sentinel's section (``run --nan-check``) and the metadata it was written with."""
+
+    path: str
+    rank: int | None
+    report: Report
+    nan: dict[str, Any] | None
+    metadata: dict[str, Any] | None
+
+
+def read_files(paths: Sequence[str]) -> list[ReportFile]:
+    """Read and check every file; ``ReportFileError`` naming each bad one (all of them, not
+    only the first: a merge of 64 rank files should not be fixed one file per run)."""
+    out: list[ReportFile] = []
+    bad: list[ReportFileError] = []
+    for p in paths:
+        try:
+            data = read_report_file(p)
+        except ReportFileError as exc:
+            bad.append(exc)
+            continue
+        rep = Report.from_dict(data)
+        rank = data.get("rank")
+        if rank is not None:
+            for r in rep.records:
+                r.ranks = r.ranks or [rank]
+        out.append(ReportFile(p, rank, rep, data.get("nan_sentinel"), rep.metadata))
+    if bad:
+        raise bad[0] if len(bad) == 1 else ReportFileError.several(bad)
+    return out
 
 
 def merge_files(paths: Sequence[str]) -> tuple[Report, list[int]]:
     """Load per-rank report files and merge them; also the ranks the files came from (a file
     written outside a distributed job has no rank and adds none)."""
-    reports: list[Report] = []
-    ranks: set[int] = set()
-    for p in paths:
-        reports.append(load_report(p))
-        r = _file_rank(p)
-        if r is not None:
-            ranks.add(r)
-    return merge_reports(reports), sorted(ranks)
+    files = read_files(paths)
+    ranks = sorted({f.rank for f in files if f.rank is not None})
+    return merge_reports(f.report for f in files), ranks
 
 
 def _ranks_text(ranks: Sequence[int]) -> str:
     return ",".join(map(str, ranks)) if ranks else "-"
 
 
-def format_merged(merged: Report, ranks: Sequence[int], n_files: int) -> str:
+# --------------------------------------------------------------------------- NaN findings
+_EVENT_ID = ("op", "direction", "kind", "arg", "call_site", "module", "backward_of")
+
+
+def _event_id(e: dict[str, Any]) -> tuple[Any, ...]:
+    """What makes two ranks' events the same finding (not the counts or the shape of a shard)."""
+    return tuple(e.get(k) for k in _EVENT_ID)
+
+
+def _rank_key(f: ReportFile) -> int:
+    return f.rank if f.rank is not None else -1
+
+
+def merge_nan(files: Sequence[ReportFile]) -> dict[str, Any] | None:
+    """The NaN sentinel's findings across the files that have them (None if none has):
+
+    * ``first``: the first culprit across ranks, with its ``rank``.  Ordered by the event's
+      ``time`` when it has one; the sentinel's own counters (``seq``) are per process and the
+      ranks share no clock, so without a time the lowest rank's first culprit is shown, and
+      ``firsts`` says which ranks had which first culprit;
+    * ``firsts``: each distinct first culprit with the ``ranks`` whose first it was;
+      ``seen_by``: the ranks that saw ``first`` at all (first or later); ``clean``: the ranks
+      whose guarded ops produced no NaN/inf;
+    * ``calls``: guarded calls checked, all ranks; ``per_rank``: each file's section as written.
+    """
+    sections = [(f, f.nan) for f in files if f.nan is not None]
+    if not sections:
+        return None
+    with_first = sorted(((f, n) for f, n in sections if n.get("first") is not None),
+                        key=lambda fn: (fn[1]["first"].get("time", float("inf")),
+                                        _rank_key(fn[0])))
+    firsts: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for f, n in with_first:
+        group = firsts.setdefault(_event_id(n["first"]), {"event": n["first"], "ranks": []})
+        if f.rank is not None:
+            group["ranks"].append(f.rank)
+    out: dict[str, Any] = {
+        "first": None, "firsts": list(firsts.values()), "seen_by": [],
+        "clean": sorted(f.rank for f, n in sections if n.get("first") is None
+                        and f.rank is not None),
+        "calls": sum(int(n.get("calls", 0)) for _, n in sections),
+        "per_rank": [{"rank": f.rank, "file": f.path, **n} for f, n in sections],
+    }
+    if with_first:
+        winner, section = with_first[0]
+        key = _event_id(section["first"])
+        out["first"] = {**section["first"], "rank": winner.rank}
+        out["seen_by"] = sorted(f.rank for f, n in sections if f.rank is not None and any(
+            _event_id(e) == key for e in [n.get("first") or {}, *n.get("events", [])]))
+    return out
+
+
+def _event_message(e: dict[str, Any]) -> str:
+    """The sentinel's own wording of an event (``NanEvent.message``); opcontracts.nan (and
+    torch with it) is imported only for a merge that has NaN findings."""
+    import dataclasses
+
+    from .nan import NanEvent
+
+    names = {f.name for f in dataclasses.fields(NanEvent)}
+    kw: dict[str, Any] = {"call_site": None, "module": None, "module_type": None}
+    kw.update((k, v) for k, v in e.items() if k in names)
+    kw["shape"] = tuple(kw.get("shape", ()))
+    try:
+        return NanEvent(**kw).message()
+    except TypeError:  # a file from another version, without a field this one needs
+        return (f"first non-finite value: {e.get('direction')}, in {e.get('op')}\n"
+                f"  value:     {e.get('arg')}\n  call site: {e.get('call_site') or '?'}")
+
+
+def _seen_text(seen: Sequence[int], ranks: Sequence[int]) -> str:
+    missing = [k for k in ranks if k not in seen]
+    text = f"rank {_ranks_text(seen)}" if len(seen) == 1 else f"ranks {_ranks_text(seen)}"
+    if missing:
+        return text + f" only (not rank {_ranks_text(missing)})"
+    return text + (" (every rank)" if len(ranks) > 1 else "")
+
+
+def _nan_lines(nan: dict[str, Any], ranks: Sequence[int]) -> list[str]:
+    lines = [f"NaN sentinel (--nan-check) in {len(nan['per_rank'])} file(s): "
+             f"{nan['calls']} guarded call(s) checked"]
+    first = nan["first"]
+    received = [sec for sec in nan["per_rank"] if sec.get("first") is None and sec.get("received")]
+    if first is None:
+        lines.append("  no guarded op produced NaN or inf" + (" on any rank" if ranks else ""))
+        for sec in received:
+            who = f"rank {sec['rank']}" if sec["rank"] is not None else sec["file"]
+            lines.append(f"  {who}:")
+            lines.extend("    " + ln for ln in _event_message(sec["received"]).splitlines())
+        return lines
+    rank = first.get("rank")
+    lines.append("  first culprit" + (f" (rank {rank})" if rank is not None else "") + ":")
+    lines.extend("    " + ln for ln in _event_message(first).splitlines())
+    if ranks:
+        lines.append(f"  seen by {_seen_text(nan['seen_by'], ranks)}")
+    if len(nan["firsts"]) > 1:
+        lines.append("  the first culprit of each rank (the ranks share no clock):")
+        for g in nan["firsts"]:
+            e = g["event"]
+            lines.append(f"    {_ranks_text(g['ranks'])}: {e.get('direction')} {e.get('op')}: "
+                         f"{e.get('arg')} at {e.get('call_site') or '?'}")
+    if nan["clean"]:
+        lines.append(f"  no NaN/inf from a guarded op on {_seen_text(nan['clean'], [])}")
+    for sec in received:  # NaN that came from elsewhere: on a clean rank, often a collective
+        e = sec["received"]
+        lines.append(f"    but rank {sec['rank']} received non-finite {e.get('arg')} in "
+                     f"{e.get('op')} ({e.get('direction')}) at {e.get('call_site') or '?'}: "
+                     "made by an op the sentinel does not watch (a culprit's non-finite "
+                     "gradients reach every rank through the all-reduce)")
+    return lines
+
+
+# --------------------------------------------------------------------------- versions
+_VERSION_KEYS = ("opcontracts", "torch", "torch_npu", "cann", "mindspeed", "soc")
+
+
+def _version_disagreements(files: Sequence[ReportFile]) -> list[str]:
+    """``cann: 8.0.RC3 (rank 0,1), 8.0.0 (rank 2)`` for each version the files' metadata
+    disagree on: ranks that run different stacks apply different contracts."""
+    out = []
+    for key in _VERSION_KEYS:
+        by_value: dict[str, list[str]] = {}
+        for f in files:
+            if f.metadata is None or key not in f.metadata:
+                continue
+            who = str(f.rank) if f.rank is not None else os.path.basename(f.path)
+            by_value.setdefault(str(f.metadata[key] or "unknown"), []).append(who)
+        if len(by_value) > 1:
+            out.append(f"{key}: " + ", ".join(f"{v} (rank {','.join(w)})"
+                                              for v, w in by_value.items()))
+    return out
+
+
+def format_merged(merged: Report, ranks: Sequence[int], n_files: int,
+                  nan: dict[str, Any] | None = None,
+                  disagreements: Sequence[str] = ()) -> str:
     """A table of the merged violations, with which ranks saw each, and the first message of
     each: the ranks column is the point (a violation on one rank of eight is a data or
-    code-path problem on that rank, not a model bug everyone shares)."""
+    code-path problem on that rank, not a model bug everyone shares).  Then the NaN
+    sentinel's merged findings (``merge_nan``) and the versions the ranks disagree on."""
     head = (f"opcontracts: merged {n_files} report file(s)"
             + (f" from rank(s) {_ranks_text(ranks)}" if ranks else ""))
+    tail: list[str] = []
+    if disagreements:
+        tail += ["", "the files disagree on versions (so on which contracts apply):"]
+        tail += ["  " + d for d in disagreements]
+    if nan is not None:
+        tail += ["", *_nan_lines(nan, ranks)]
     if not merged.records:
-        return head + "\nno contract violations."
+        return "\n".join([head, "no contract violations.", *tail])
     recs = sorted(merged.records, key=lambda r: (r.op, r.call_site, r.arg or "", r.rule, r.mode))
     lines = [head, f"{merged.total} contract violation(s) at {len(recs)} site(s)", ""]
     lines += table_lines(recs)
@@ -173,26 +351,41 @@ def format_merged(merged: Report, ranks: Sequence[int], n_files: int) -> str:
     lines.append("first message of each:")
     for r in recs:
         lines.extend("  " + ln for ln in r.message.splitlines())
+    lines.extend(tail)
     return "\n".join(lines)
 
 
 def cmd_merge(ns: argparse.Namespace) -> int:
-    """``opcontracts report merge FILES... [--json OUT]``."""
+    """``opcontracts report merge FILES... [--json OUT]``: exit 2, with ``FILE: what is wrong``
+    for each bad file, when a file cannot be merged."""
     paths = _expand(ns.files)
     if not paths:
-        print("opcontracts report merge: no report files", file=sys.stderr)
+        print("opcontracts report merge: no report files"
+              + (f" ({', '.join(ns.files)})" if ns.files else ""), file=sys.stderr)
         return 2
     try:
-        merged, ranks = merge_files(paths)
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        # json.JSONDecodeError is a ValueError; a record with the wrong fields a TypeError
-        print(f"opcontracts report merge: {exc}", file=sys.stderr)
+        files = read_files(paths)
+    except ReportFileError as exc:
+        for err in exc.files:
+            for problem in err.problems:
+                print(f"opcontracts report merge: {err.path}: {problem}", file=sys.stderr)
         return 2
-    print(format_merged(merged, ranks, len(paths)))
+    ranks = sorted({f.rank for f in files if f.rank is not None})
+    merged = merge_reports(f.report for f in files)
+    nan = merge_nan(files)
+    disagreements = _version_disagreements(files)
+    print(format_merged(merged, ranks, len(paths), nan, disagreements))
     if ns.json:
         data = merged.to_dict()
+        data["metadata"] = metadata()  # the merge's own; each file's is under "sources"
         data["ranks"] = ranks
         data["files"] = list(paths)
+        data["sources"] = [{"file": f.path, "rank": f.rank, "metadata": f.metadata}
+                           for f in files]
+        if disagreements:
+            data["version_disagreements"] = list(disagreements)
+        if nan is not None:
+            data["nan_sentinel"] = nan
         d = os.path.dirname(ns.json)
         if d:
             os.makedirs(d, exist_ok=True)

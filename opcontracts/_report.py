@@ -41,6 +41,12 @@ class Record:
     # say them (``"bfloat16"``, ``"dtype float32 (shape (4, 2))"``): for tools reading the JSON
     expected: str | None = None
     got: str | None = None
+    nested: list[dict[str, Any]] = field(default_factory=list)
+    """violations seen inside this call (the guarded op its kernel calls, the ``*_grad`` op of
+    its backward): the same mistake, not one of their own (``op``, ``arg``, ``rule``,
+    ``call_site``, ``count``)"""
+    shown: bool = False
+    """its full message was shown as a warning at the call (the summary then names it only)"""
 
     @property
     def key(self) -> tuple[str, str | None, str, str, str]:
@@ -106,6 +112,49 @@ def record(op: str, arg: str | None, rule: str, call_site: str, mode: str, messa
     return _store.add(op, arg, rule, call_site, mode, message, fixed, rank, expected, got)
 
 
+MAX_NESTED = 16
+"""distinct nested violations kept per record"""
+
+
+def nest(outer: tuple[str, str | None, str, str, str], op: str, arg: str | None, rule: str,
+         call_site: str) -> None:
+    """Attach a violation seen inside the call recorded under ``outer`` to that record (it
+    counts no violation of its own)."""
+    with _store.lock:
+        rec = _store.records.get(outer)
+        if rec is None:  # the outer record was not kept (limit): nothing to attach to
+            return
+        _add_nested(rec.nested, {"op": op, "arg": arg, "rule": rule, "call_site": call_site,
+                                 "count": 1})
+
+
+def _add_nested(into: list[dict[str, Any]], n: dict[str, Any]) -> None:
+    for x in into:
+        if (x["op"], x["arg"], x["rule"], x["call_site"]) == \
+                (n["op"], n["arg"], n["rule"], n["call_site"]):
+            x["count"] += n["count"]
+            return
+    if len(into) < MAX_NESTED:
+        into.append(dict(n))
+
+
+def mark_shown(key: tuple[str, str | None, str, str, str]) -> None:
+    """The record's full message went out as a warning at its call site."""
+    with _store.lock:
+        rec = _store.records.get(key)
+        if rec is not None:
+            rec.shown = True
+
+
+def _nested_text(r: Record) -> list[str]:
+    out = []
+    for n in r.nested:
+        times = f" ({n['count']}x)" if n["count"] > 1 else ""
+        out.append(f"    inside it: {n['op']}, argument '{n['arg']}', {n['rule']}, at "
+                   f"{n['call_site']}{times}")
+    return out
+
+
 @dataclass
 class Report:
     """A snapshot of the violations seen so far."""
@@ -142,7 +191,12 @@ class Report:
         lines.append("")
         lines.append("first message of each (most frequent first):")
         for r in firsts:
-            lines.extend("  " + ln for ln in r.message.splitlines())
+            if r.shown:  # the full text was a warning at the call: one line here, not twice
+                lines.append("  " + r.message.splitlines()[0])
+                lines.append(f"    (shown in full as a warning at {r.call_site})")
+            else:
+                lines.extend("  " + ln for ln in r.message.splitlines())
+            lines.extend(_nested_text(r))
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -294,8 +348,14 @@ def table_lines(records: Iterable[Record]) -> list[str]:
     for r in records:
         ranks = ",".join(map(str, sorted(r.ranks))) if r.ranks else "-"
         mode = f"{r.mode} ({r.fixed} fixed)" if r.fixed else r.mode
-        rows.append((r.op, r.arg or "-", r.rule, mode, str(r.count), ranks, r.call_site))
+        op = f"{r.op} (+{len(r.nested)} nested)" if r.nested else r.op
+        rows.append((op, r.arg or "-", r.rule, mode, str(r.count), ranks, r.call_site))
     return aligned(rows)
+
+
+def _copy(r: Record) -> Record:
+    """A record that shares no list with ``r`` (``asdict`` copies lists and dicts deeply)."""
+    return Record(**asdict(r))
 
 
 def aligned(rows: Sequence[Sequence[str]]) -> list[str]:
@@ -318,11 +378,14 @@ def merge_reports(reports: Iterable[Report]) -> Report:
         for r in rep.records:
             m = merged.get(r.key)
             if m is None:
-                merged[r.key] = Record(**{**asdict(r), "ranks": list(r.ranks)})
+                merged[r.key] = _copy(r)
             else:
                 m.count += r.count
                 m.fixed += r.fixed
                 m.ranks = sorted(set(m.ranks) | set(r.ranks))
+                m.shown = m.shown and r.shown
+                for n in r.nested:
+                    _add_nested(m.nested, n)
     return Report(list(merged.values()), dropped, total)
 
 
@@ -334,7 +397,7 @@ def report(*, gather: bool = False) -> Report:
     ranks get their own.  Outside a distributed job it is the same as ``report()``.
     """
     with _store.lock:
-        recs = [Record(**{**asdict(r), "ranks": list(r.ranks)}) for r in _store.records.values()]
+        recs = [_copy(r) for r in _store.records.values()]
         rep = Report(recs, _store.dropped, _store.total)
     if gather:
         from ._dist import gather_report  # torch.distributed only when asked

@@ -112,7 +112,8 @@ def two_rank_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
                "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                "--master-port", str(_free_port()),
-               "-m", "opcontracts", "run", "--report", str(out / "report.json"), str(script),
+               "-m", "opcontracts", "run", "--nan-check", "--report", str(out / "report.json"),
+               str(script),
                str(out)]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=180)
@@ -180,6 +181,25 @@ def test_report_merge_names_rank1_alone(two_rank_job: Path, capsys: pytest.Captu
     assert data["ranks"] == [0, 1]
     assert {(r["op"], tuple(r["ranks"])) for r in data["records"]} == {
         ("npu_moe_token_unpermute", (1,)), ("npu_moe_token_unpermute_grad", (1,))}
+    # the NaN sentinel's findings (run --nan-check) survive the merge: rank 1's fp32 probs
+    # make the bf16-only backward kernel overflow; rank 0 only receives the all-reduced inf
+    assert "first culprit (rank 1):" in out
+    assert ("first non-finite value: backward, in npu_moe_token_unpermute_grad "
+            "(in the backward of npu_moe_token_unpermute)") in out
+    assert "seen by rank 1 only (not rank 0)" in out
+    assert "no NaN/inf from a guarded op on rank 0" in out
+    nan = data["nan_sentinel"]
+    assert (nan["first"]["op"], nan["first"]["rank"]) == ("npu_moe_token_unpermute_grad", 1)
+    assert (nan["seen_by"], nan["clean"]) == ([1], [0])
+    assert [(s["rank"], s["first"] is None) for s in nan["per_rank"]] == [(0, True), (1, False)]
+    assert nan["calls"] > 0
+    # each file's metadata is kept, and says where it came from
+    for k, src in enumerate(data["sources"]):
+        meta = src["metadata"]
+        assert (src["rank"], meta["rank"], meta["cann"], meta["mode"]) == (k, k, "8.0.RC3", "warn")
+        assert meta["torch_npu"] and "torch_npu" in meta["emulated"]
+        assert "run" in meta["argv"] and meta["host"] and meta["time"]
+    assert data["metadata"]["opcontracts"] == opcontracts.__version__  # the merge's own
     # the console script, on the folder: the gathered.json next to the rank files is not counted
     proc = subprocess.run([sys.executable, "-m", "opcontracts", "report", "merge",
                            str(two_rank_job)], capture_output=True, text=True, timeout=120)
@@ -224,6 +244,114 @@ def test_merge_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert cli.main(["report", "merge", str(tmp_path / "empty_dir_pattern*.json")]) == 2
     err = capsys.readouterr().err
     assert "missing.json" in err and "no report files" in err
+
+
+def test_merge_names_each_bad_file_and_what_is_wrong(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    good = _write(tmp_path / "report.rank0.json", 0, [_rec("op_a", "a.py:1 in f")])
+    not_json = tmp_path / "report.rank1.json"
+    not_json.write_text("", encoding="utf-8")
+    not_a_report = tmp_path / "report.rank2.json"
+    not_a_report.write_text('{"a": 1}', encoding="utf-8")
+    wrong_fields = tmp_path / "report.rank3.json"
+    wrong_fields.write_text(json.dumps({"rank": 3, "total": 1, "records": [
+        {"op": "op_a", "arg": "x", "rule": "dtype", "call_site": "a.py:1", "mode": "warn",
+         "count": "3", "message": "m"},
+        {"op": "op_b", "rule": "dtype"},
+        "junk"]}), encoding="utf-8")
+    a_list = tmp_path / "list.json"
+    a_list.write_text("[1, 2]", encoding="utf-8")
+    files = [good, str(not_json), str(not_a_report), str(wrong_fields), str(a_list)]
+    assert cli.main(["report", "merge", *files]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # nothing merged from a partial set
+    lines = captured.err.splitlines()
+    pre = "opcontracts report merge: "
+    assert f"{pre}{not_json}: not JSON (line 1 column 1: Expecting value)" in lines
+    assert f"{pre}{not_a_report}: not an opcontracts report: no 'records' list (its keys: a)" \
+        in lines
+    assert f"{pre}{wrong_fields}: records[0].count: expected an integer >= 1, got '3'" in lines
+    assert f"{pre}{wrong_fields}: records[1]: no 'arg' field" in lines
+    assert f"{pre}{wrong_fields}: records[1]: no 'call_site' field" in lines
+    assert f"{pre}{wrong_fields}: records[2]: expected an object, got 'junk'" in lines
+    assert f"{pre}{a_list}: not an opcontracts report: expected a JSON object, got [1, 2]" in lines
+    assert not any(str(good) in ln for ln in lines)
+    # the library call raises the project's error (a ValueError) naming the file
+    with pytest.raises(_report.ReportFileError, match=r"report\.rank2\.json: not an opcontracts"):
+        _report.load_report(str(not_a_report))
+    with pytest.raises(ValueError, match=r"records\[0\]\.count"):
+        _report.Report.from_dict(json.loads(wrong_fields.read_text()))
+
+
+def _nan_event(op: str, seq: int = 1, **kw: object) -> dict[str, object]:
+    return {"op": op, "direction": "backward", "kind": "output", "arg": "output[0]",
+            "dtype": "bfloat16", "shape": [4, 8], "nan": 0, "inf": 32,
+            "call_site": "train.py:11 in forward", "module": "layers.1.mlp",
+            "module_type": "MoELayer", "backward_of": None, "seq": seq, **kw}
+
+
+def _write_nan(path: Path, rank: int, first: dict[str, object] | None,
+               events: list[dict[str, object]], calls: int = 50) -> str:
+    data = {"rank": rank, "total": 0, "dropped": 0, "records": [],
+            "nan_sentinel": {"first": first, "events": events, "received": None,
+                             "calls": calls, "dropped": 0}}
+    path.write_text(json.dumps(data), encoding="utf-8")
+    return str(path)
+
+
+def test_merge_keeps_the_nan_sentinels_findings(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    a, b = _nan_event("op_a"), _nan_event("op_b")
+    files = [_write_nan(tmp_path / "report.rank0.json", 0, None, []),
+             _write_nan(tmp_path / "report.rank1.json", 1, a, [a]),
+             _write_nan(tmp_path / "report.rank2.json", 2, b, [b, _nan_event("op_a", 2)]),
+             _write_nan(tmp_path / "report.rank3.json", 3, a, [a])]
+    out_json = tmp_path / "merged.json"
+    assert cli.main(["report", "merge", *files, "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert "NaN sentinel (--nan-check) in 4 file(s): 200 guarded call(s) checked" in out
+    assert "first culprit (rank 1):" in out
+    assert "first non-finite value: backward, in op_a" in out
+    assert "module:    layers.1.mlp (MoELayer)" in out
+    assert "seen by ranks 1,2,3 only (not rank 0)" in out  # rank 2 saw it after op_b
+    assert "  the first culprit of each rank (the ranks share no clock):" in out
+    assert "    1,3: backward op_a: output[0] at train.py:11 in forward" in out
+    assert "    2: backward op_b: output[0] at train.py:11 in forward" in out
+    assert "no NaN/inf from a guarded op on rank 0" in out
+    nan = json.loads(out_json.read_text())["nan_sentinel"]
+    assert (nan["first"]["op"], nan["first"]["rank"]) == ("op_a", 1)
+    assert [(g["event"]["op"], g["ranks"]) for g in nan["firsts"]] == [("op_a", [1, 3]),
+                                                                        ("op_b", [2])]
+    assert (nan["seen_by"], nan["clean"], nan["calls"]) == ([1, 2, 3], [0], 200)
+    # with a time on the events (ranks whose clocks agree), the earliest wins
+    files[2] = _write_nan(tmp_path / "report.rank2.json", 2, {**b, "time": 5.0}, [b])
+    files[1] = _write_nan(tmp_path / "report.rank1.json", 1, {**a, "time": 9.0}, [a])
+    assert cli.main(["report", "merge", *files]) == 0
+    assert "first culprit (rank 2):" in capsys.readouterr().out
+
+
+def test_merge_says_when_no_guarded_op_made_nan(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    files = [_write_nan(tmp_path / f"report.rank{k}.json", k, None, []) for k in range(2)]
+    assert cli.main(["report", "merge", *files]) == 0
+    out = capsys.readouterr().out
+    assert "no contract violations." in out
+    assert "no guarded op produced NaN or inf on any rank" in out
+
+
+def test_merge_flags_ranks_on_different_versions(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    files = []
+    for k, cann in enumerate(["8.0.RC3", "8.0.RC3", "8.0.0"]):
+        path = tmp_path / f"report.rank{k}.json"
+        meta = {**_report.metadata(rank=k), "cann": cann}
+        path.write_text(json.dumps({"metadata": meta, "rank": k, "total": 0, "dropped": 0,
+                                    "records": []}), encoding="utf-8")
+        files.append(str(path))
+    assert cli.main(["report", "merge", *files]) == 0
+    out = capsys.readouterr().out
+    assert "the files disagree on versions (so on which contracts apply):" in out
+    assert "  cann: 8.0.RC3 (rank 0,1), 8.0.0 (rank 2)" in out
 
 
 def test_merge_of_single_process_reports(tmp_path: Path,
