@@ -7,7 +7,9 @@ folders), then wraps each target: ``torch_npu.npu_*``, ``torch.ops.npu.*``, Mind
 imported later are patched as they are imported; names bound earlier by ``from x import f``
 are rebound.  Nothing raises at import time: a target that cannot be found is logged (debug
 level) and listed by ``missing()``, so a training job never dies because an optional module
-moved.
+moved; a bad file in ``OPCONTRACTS_CONTRACTS`` is skipped with a warning.  The one exception
+is ``OPCONTRACTS_MODE`` holding something that is not a mode: the import raises
+``SettingError`` naming it, since running with a weaker mode than asked would be silent.
 
 ``apply()`` is idempotent; ``unpatch()`` restores every original (``is``-identical) and removes
 the import hook; ``patched()`` lists what is wrapped and where.
@@ -21,6 +23,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from . import _registry
+from ._envwarn import warn_setting
 from ._patcher import Patcher, PatchRecord
 from .errors import OpContractsError
 
@@ -33,19 +36,34 @@ _patcher = Patcher()
 
 
 def _user_contracts() -> list[Contract]:
+    """The contracts of the files and folders named in ``OPCONTRACTS_CONTRACTS``.
+
+    A user's file never kills the job: a path that does not exist, or a file with any
+    problem, is skipped with one ``RuntimeWarning`` that names the file, the contract and the
+    field of every problem, shown once, at the user's start-up line.  A folder's good files
+    still load when one of them is bad.
+    """
     raw = os.environ.get("OPCONTRACTS_CONTRACTS", "")
     out: list[Contract] = []
     parts = [p.strip() for p in raw.split(os.pathsep) if p.strip()]
     if not parts:
         return out
-    from .spec import load_contracts
+    from .spec import contract_files, load_contracts
 
     for part in parts:
         try:
-            out.extend(load_contracts(part))
+            files = contract_files(part)
         except OpContractsError as exc:
-            # a job must not die at import; the message names the file and field
-            warnings.warn(f"OPCONTRACTS_CONTRACTS: {exc}; skipped", RuntimeWarning, stacklevel=3)
+            warn_setting("OPCONTRACTS_CONTRACTS", f"{exc}; skipped")
+            continue
+        for f in files:
+            try:
+                out.extend(load_contracts(f))
+            except OpContractsError as exc:  # the message names the file and field
+                warn_setting("OPCONTRACTS_CONTRACTS", f"{exc}; skipped")
+            except Exception as exc:  # noqa: BLE001 - not ours to crash on: skip, and say so
+                warn_setting("OPCONTRACTS_CONTRACTS", f"{f}: could not be loaded "
+                             f"({type(exc).__name__}: {exc}); skipped")
     return out
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import difflib
 import keyword
 import os
+import re
 import reprlib
 import sys
 from collections.abc import Mapping, Sequence
@@ -466,13 +467,14 @@ def _name_problems(data: Mapping[str, Any]) -> list[FileProblem]:
     if isinstance(sig, (list, tuple)):
         seen: set[str] = set()
         for i, name in enumerate(sig):
+            if not isinstance(name, str):
+                continue  # pydantic reports it ("Input should be a valid string")
             why = _name_problem(name, "parameter name")
             if why is None and name in seen:
                 why = f"names {name!r} twice"
             if why:
                 out.append(FileProblem(why, field=f"signature[{i}]"))
-            if isinstance(name, str):
-                seen.add(name)
+            seen.add(name)
     return out
 
 
@@ -515,7 +517,7 @@ def _problems(exc: ValidationError, root: type[BaseModel], *, file: str | None =
     """Every error of a pydantic ``ValidationError`` as a ``FileProblem`` at its field."""
     out: list[FileProblem] = []
     for err in exc.errors(include_url=False):
-        loc = tuple(p for p in err.get("loc", ()) if not (isinstance(p, str) and "[" in p))
+        loc = _user_loc(err.get("loc", ()))
         ctx_err = (err.get("ctx") or {}).get("error")
         # problems found below this location: by a validator that names sub-fields, or by a
         # nested model's own __init__ (pydantic calls a custom __init__ for nested tables)
@@ -526,7 +528,7 @@ def _problems(exc: ValidationError, root: type[BaseModel], *, file: str | None =
             subs = [(p.field, p.message) for p in ctx_err.problems]
         if subs is not None:
             for sub, msg in subs:
-                field = ".".join([*(str(p) for p in loc), *([sub] if sub else [])]) or None
+                field = ".".join(x for x in (_loc(loc), sub) if x) or None
                 out.append(FileProblem(msg, file, contract, field, obj))
             continue
         kind = err.get("type")
@@ -543,8 +545,20 @@ def _problems(exc: ValidationError, root: type[BaseModel], *, file: str | None =
     return _unique(out)
 
 
-def _loc(loc: tuple[Any, ...]) -> str:
-    return ".".join(str(p) for p in loc if p not in ("function-after[_relations(), Contract]",))
+_PYDANTIC_STEP = re.compile(r"^[a-z-]+\[")  # 'function-after[_relations(), Contract]'
+
+
+def _user_loc(loc: Sequence[Any]) -> tuple[Any, ...]:
+    """A pydantic location without pydantic's own steps (validator and union names)."""
+    return tuple(p for p in loc if not (isinstance(p, str) and _PYDANTIC_STEP.match(p)))
+
+
+def _loc(loc: Sequence[Any]) -> str:
+    """``("args", "a", "dtype")`` -> ``args.a.dtype``; list indices as ``signature[1]``."""
+    out = ""
+    for p in loc:
+        out += f"[{p}]" if isinstance(p, int) else ("." if out else "") + str(p)
+    return out
 
 
 def _clean(msg: str) -> str:
