@@ -1,0 +1,639 @@
+"""One layer over the patch's guards that observers plug into.
+
+The NaN sentinel (``opcontracts.nan``), the shadow compare (``opcontracts.compare``), the
+recorder (``opcontracts.record``) and ``opcontracts run``'s call statistics all watch the same
+guarded calls.  They share this one layer instead of wrapping the guards three times: while at
+least one observer is attached, every object ``opcontracts.patch`` installed (the
+``patch.patched()`` records, and names bound to the guards by ``from x import f`` since) is
+wrapped once more, and the wrapper hands each call to the attached observers.  When the last
+observer detaches, the guards are put back ``is``-identically.
+
+Why a layer and not a hook in the guard: the guard's hot path must stay what it is when nothing
+watches.  Off, nothing of this module runs (no wrapper is installed); on, a wrapper costs one
+Python call and a tuple read before anything an observer does.
+
+Two kinds of observer:
+
+* *counters* (``Counter``): called with the op name only, before the call, in a tight loop;
+  the call statistics are one (``count``, ~0.3 us per call);
+* *observers* (``Observer``): get a ``Call`` (op, guard, arguments, direction, depth, call
+  site, ``nn.Module`` path, and for a call made during backward the forward call whose
+  backward is running) before the call (``begin``, returning per-call state or None to skip
+  the call) and the outputs after it (``end``).  Those with ``grads = True`` also see the
+  gradients of the call, through the layer's backward machinery below.
+
+How backward is watched (for observers with ``grads``, per guarded call made with grad enabled
+whose inputs require grad):
+
+* the tensor inputs that require grad pass through one identity ``autograd.Function`` (a
+  *probe*, ``_GradProbe``) before the op: its backward receives exactly the gradients this
+  op sends to those inputs (not the sum over every consumer of the tensor, which is what a
+  ``register_hook`` on the input would see), and the node dies with the graph, so nothing
+  accumulates on parameters from step to step (``Observer.grad_inputs``);
+* the ``grad_fn`` nodes of the outputs get a pre-hook (the gradients flowing in, just before
+  the node runs: ``Observer.grad_output``; it also tells a ``*_grad`` op called inside which
+  forward call it belongs to: ``Call.context``) and a post-hook (clears that context again).
+
+Under ``torch.compile`` the layer steps aside (the guard alone runs, no graph break).  Modules
+imported after an observer attached are covered through the patch's import hook; objects
+captured before (a guard stored on an instance) are not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import itertools
+import sys
+import threading
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from ._callsite import CallSite, find_call_site
+
+__all__ = [
+    "Call",
+    "Counter",
+    "Direction",
+    "Observer",
+    "arg_name",
+    "attach",
+    "attached",
+    "busy",
+    "detach",
+    "in_backward",
+    "module_name",
+    "outputs",
+    "param_names",
+    "tensors",
+]
+
+Direction = Literal["forward", "backward"]
+
+
+# --------------------------------------------------------------------------- tensor helpers
+def tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[tuple[Any, torch.Tensor]]:
+    """(key, tensor) for the tensor arguments, one level into lists (``Tensor[]``); a key is
+    ``(position or keyword, index in the list or None)``."""
+    keyed: Iterator[tuple[Any, Any]] = itertools.chain(enumerate(args), kwargs.items())
+    for k, a in keyed:
+        if isinstance(a, torch.Tensor):
+            yield (k, None), a
+        elif isinstance(a, (list, tuple)):
+            for j, x in enumerate(a):
+                if isinstance(x, torch.Tensor):
+                    yield (k, j), x
+
+
+def outputs(out: Any, prefix: str = "output") -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for the tensor outputs: ``output``, ``output[1]``, ``output[0][2]``."""
+    if isinstance(out, torch.Tensor):
+        yield prefix, out
+    elif isinstance(out, (list, tuple)):
+        for i, x in enumerate(out):
+            yield from outputs(x, f"{prefix}[{i}]")
+
+
+def in_backward() -> bool:
+    """Whether this thread is running an autograd backward pass right now."""
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+@functools.lru_cache(maxsize=512)
+def param_names(fn: Callable[..., Any]) -> tuple[str, ...]:
+    """The parameter names of a guard (its checker's, else its signature's)."""
+    from ._enforce import compiled_of
+
+    try:
+        cc = compiled_of(fn)
+        if cc is not None:
+            return tuple(p.name for p in cc.params)
+    except Exception:  # naming is best effort: an event must never fail on it
+        pass
+    try:
+        return tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return ()
+
+
+def arg_name(fn: Callable[..., Any], key: tuple[Any, int | None]) -> str:
+    """The argument a ``tensors`` key stands for: ``probs``, ``x[1]``, ``args[5]``."""
+    pos, j = key
+    if isinstance(pos, int):
+        names = param_names(fn)
+        base = names[pos] if pos < len(names) else f"args[{pos}]"
+    else:
+        base = str(pos)
+    return base if j is None else f"{base}[{j}]"
+
+
+# --------------------------------------------------------------------------- module paths
+class _ModuleTracker:
+    """Which ``nn.Module`` is running: global forward pre/post hooks keep a per-thread stack;
+    the path is the innermost module's qualified name under the outermost one (the root)."""
+
+    def __init__(self) -> None:
+        self._tls = threading.local()
+        self._names: weakref.WeakKeyDictionary[nn.Module, dict[int, str]] = (
+            weakref.WeakKeyDictionary())
+        self._handles: list[Any] = []
+
+    @property
+    def running(self) -> bool:
+        return bool(self._handles)
+
+    def start(self) -> None:
+        from torch.nn.modules import module as mm
+
+        self._handles = [
+            mm.register_module_forward_pre_hook(self._pre),
+            mm.register_module_forward_hook(self._post, always_call=True),
+        ]
+
+    def stop(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._tls = threading.local()
+
+    def _stack(self) -> list[nn.Module]:
+        st = getattr(self._tls, "stack", None)
+        if st is None:
+            st = self._tls.stack = []
+        return st  # type: ignore[no-any-return]
+
+    def _pre(self, module: nn.Module, args: Any) -> None:
+        self._stack().append(module)
+
+    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        st = self._stack()
+        if st and st[-1] is module:
+            st.pop()
+            return
+        for i in range(len(st) - 1, -1, -1):  # an exception skipped some post hooks
+            if st[i] is module:
+                del st[i:]
+                return
+
+    def snapshot(self) -> tuple[nn.Module, nn.Module] | None:
+        if not self._handles:
+            return None
+        st = self._stack()
+        return (st[0], st[-1]) if st else None
+
+    def name(self, snap: tuple[nn.Module, nn.Module] | None) -> tuple[str | None, str | None]:
+        if snap is None:
+            return None, None
+        root, leaf = snap
+        names = self._names.get(root)
+        if names is None or id(leaf) not in names:
+            names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
+            self._names[root] = names
+        name = names.get(id(leaf))
+        if name is None:  # not registered under the root (called functionally)
+            name = f"{type(root).__name__} > {type(leaf).__name__}"
+        return name, type(leaf).__name__
+
+
+_modules = _ModuleTracker()
+
+
+def module_name(where: tuple[nn.Module, nn.Module] | None) -> tuple[str | None, str | None]:
+    """(qualified module path, class name) of a ``Call.where`` snapshot."""
+    return _modules.name(where)
+
+
+# --------------------------------------------------------------------------- one call
+class Call:
+    """One guarded call as the observers see it.  ``args``/``kwargs`` are the call's own (never
+    modify them) and are dropped when the call returns, so nothing kept for backward holds a
+    tensor of the job."""
+
+    __slots__ = ("op", "fn", "args", "kwargs", "direction", "depth", "where", "context",
+                 "grad_keys", "_frame", "_site", "_site_done", "__weakref__")
+
+    def __init__(self, op: str, fn: Callable[..., Any], args: tuple[Any, ...],
+                 kwargs: dict[str, Any], direction: Direction, depth: int, frame: Any) -> None:
+        self.op = op
+        self.fn = fn
+        self.args: tuple[Any, ...] | None = args
+        self.kwargs: dict[str, Any] | None = kwargs
+        self.direction = direction
+        self.depth = depth
+        self.where: tuple[nn.Module, nn.Module] | None = None
+        self.context: Call | None = None  # for a call made in backward: the forward call
+        self.grad_keys: list[Any] = []     # the inputs the probe watches (``tensors`` keys)
+        self._frame = frame
+        self._site: CallSite | None = None
+        self._site_done = False
+
+    @property
+    def site(self) -> CallSite | None:
+        """The user's line that made the call (looked up once, while the call runs)."""
+        if not self._site_done and self._frame is not None:
+            self._site = find_call_site(self._frame)
+            self._site_done = True
+        return self._site
+
+    def place(self) -> tuple[CallSite | None, tuple[nn.Module, nn.Module] | None, str | None]:
+        """Where to report this call: (call site, module snapshot, forward op) — for a
+        ``*_grad`` op run by a backward node, the forward call's site and module, and its op."""
+        ctx = self.context
+        if ctx is not None:
+            return ctx.site, ctx.where, ctx.op
+        return self.site, self.where, None
+
+
+class Observer:
+    """What an observer implements (every method is optional).  ``grads``: wants the gradients
+    (the layer probes the call's inputs and hooks its outputs); ``modules``: wants ``Call.where``
+    (the layer runs global ``nn.Module`` hooks while such an observer is attached)."""
+
+    grads: bool = False
+    modules: bool = False
+
+    def begin(self, call: Call) -> Any:
+        """Before the kernel runs: per-call state, or None to ignore this call."""
+        return None
+
+    def end(self, call: Call, state: Any, out: Any) -> None:
+        """After the kernel returned ``out`` (not called when it raised)."""
+
+    def grad_output(self, call: Call, state: Any, label: str, position: int,
+                    grad: torch.Tensor) -> None:
+        """A gradient flowing into output ``position`` (of ``outputs(out)``), before the op's
+        backward node runs; ``label`` is ``output`` or ``output[i]``."""
+
+    def grad_inputs(self, call: Call, state: Any, grads: tuple[Any, ...]) -> None:
+        """The gradients the op sent to its inputs, aligned with ``call.grad_keys``."""
+
+
+class Counter:
+    """A counter observer: ``count(op)`` before every call, nothing else (the fast path)."""
+
+    def count(self, op: str) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class _GradProbe(torch.autograd.Function):
+    """Identity on the op's inputs that require grad; its backward sees the gradients this
+    one op sends to them."""
+
+    @staticmethod
+    def forward(ctx: Any, check: Any, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.check = check
+        return tuple(t.view_as(t) for t in inputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        ctx.check(grads)
+        return (None, *grads)
+
+
+# --------------------------------------------------------------------------- dispatch
+class _Dispatch:
+    """The attached observers and what one wrapped call does with them."""
+
+    def __init__(self) -> None:
+        self.counters: tuple[Counter, ...] = ()
+        self.observers: tuple[Observer, ...] = ()
+        self.tls = threading.local()
+
+    def depth(self) -> int:
+        return getattr(self.tls, "depth", 0)  # type: ignore[no-any-return]
+
+    def busy(self) -> bool:
+        return getattr(self.tls, "busy", False)  # type: ignore[no-any-return]
+
+    def context(self) -> Call | None:
+        cur = getattr(self.tls, "bwd", None)
+        return cur[0] if cur is not None else None
+
+    def call(self, op: str, fn: Callable[..., Any], args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> Any:
+        for c in self.counters:
+            c.count(op)
+        observers = self.observers
+        if not observers or getattr(self.tls, "busy", False):
+            return fn(*args, **kwargs)
+        direction: Direction = "backward" if in_backward() else "forward"
+        depth = self.depth()
+        call = Call(op, fn, args, kwargs, direction, depth, sys._getframe(2))
+        call.where = _modules.snapshot()
+        if direction == "backward":
+            call.context = self.context()
+        states = [o.begin(call) for o in observers]
+        grad_obs = [(o, s) for o, s in zip(observers, states) if s is not None and o.grads]
+        if grad_obs and torch.is_grad_enabled() and any(
+                t.requires_grad for _, t in tensors(args, kwargs)):
+            _ = call.site  # backward needs the forward's line: look it up while it exists
+            args, kwargs = self._probe(call, grad_obs, args, kwargs)
+        else:
+            grad_obs = []
+        self.tls.depth = depth + 1
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            self.tls.depth = depth
+        try:
+            for o, s in zip(observers, states):
+                if s is not None:
+                    o.end(call, s, out)
+            if grad_obs:
+                self._hook_outputs(call, grad_obs, out)
+        finally:
+            call.args = call.kwargs = None
+            call._frame = None
+        return out
+
+    def _probe(self, call: Call, grad_obs: list[tuple[Observer, Any]], args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        keys, inputs = [], []
+        for k, t in tensors(args, kwargs):
+            if t.requires_grad:
+                keys.append(k)
+                inputs.append(t)
+        call.grad_keys = keys
+
+        def check(grads: tuple[Any, ...]) -> None:  # lives as long as the graph does
+            for o, s in grad_obs:
+                o.grad_inputs(call, s, grads)
+
+        views = _GradProbe.apply(check, *inputs)
+        new_args = list(args)
+        new_kwargs = dict(kwargs)
+        for (pos, j), v in zip(keys, views):
+            target: Any = new_args if isinstance(pos, int) else new_kwargs
+            if j is None:
+                target[pos] = v
+            else:
+                seq = list(target[pos])
+                seq[j] = v
+                target[pos] = type(target[pos])(seq) if isinstance(target[pos], tuple) else seq
+        return tuple(new_args), new_kwargs
+
+    def _hook_outputs(self, call: Call, grad_obs: list[tuple[Observer, Any]], out: Any) -> None:
+        """Pre- and post-hooks on the autograd nodes of the outputs: the gradients flowing in
+        go to the observers just before the node runs, and the node's run is marked as this
+        call's backward (the innermost call wins when a wrapper and the op it calls share a
+        node)."""
+        nodes: dict[int, tuple[Any, list[tuple[int, int]]]] = {}
+        for pos, (_, t) in enumerate(outputs(out)):
+            node = t.grad_fn
+            if node is not None and t.requires_grad:
+                nodes.setdefault(id(node), (node, []))[1].append((pos, t.output_nr))
+        tls = self.tls
+        for node_id, (node, idx) in nodes.items():
+
+            def pre(grad_outputs: tuple[Any, ...], idx: list[tuple[int, int]] = idx,
+                    node_id: int = node_id) -> None:
+                for pos, nr in idx:
+                    g = grad_outputs[nr] if nr < len(grad_outputs) else None
+                    if g is not None:
+                        label = f"output[{nr}]" if len(idx) > 1 else "output"
+                        for o, s in grad_obs:
+                            o.grad_output(call, s, label, pos, g)
+                cur = getattr(tls, "bwd", None)
+                if cur is None or cur[1] != node_id or call.depth > cur[0].depth:
+                    tls.bwd = (call, node_id)
+
+            def post(grad_inputs: Any, grad_outputs: Any, node_id: int = node_id) -> None:
+                cur = getattr(tls, "bwd", None)
+                if cur is not None and cur[1] == node_id:
+                    tls.bwd = None
+
+            node.register_prehook(pre)
+            node.register_hook(post)
+
+
+_dispatch = _Dispatch()
+
+
+@contextlib.contextmanager
+def busy() -> Iterator[None]:
+    """Inside, guarded calls on this thread go straight to the guard: an observer's own work
+    (a reference that happens to call a guarded op) is not observed."""
+    tls = _dispatch.tls
+    prev = getattr(tls, "busy", False)
+    tls.busy = True
+    try:
+        yield
+    finally:
+        tls.busy = prev
+
+
+# --------------------------------------------------------------------------- the layer
+def _module_dicts() -> Iterator[tuple[str, ModuleType, dict[str, Any]]]:
+    """(name, module, namespace) of every loaded module (a snapshot: safe while modules
+    change)."""
+    for name, mod in list(sys.modules.items()):
+        if mod is None or not isinstance(mod, ModuleType):
+            continue
+        try:
+            yield name, mod, vars(mod)
+        except TypeError:  # pragma: no cover
+            continue
+
+
+_is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_dynamo_compiling",
+                                            torch.compiler.is_compiling)
+
+
+class _Layer:
+    """The second wrapper over the patch's guards, and exactly how to take it off again."""
+
+    def __init__(self) -> None:
+        self.saved: list[tuple[Any, str, Any, Any]] = []  # owner, attr, old raw, new raw
+        self.wrappers: dict[int, tuple[Callable[..., Any], Callable[..., Any]]] = {}  # id(guard)
+        self.wrapper_ids: dict[int, Callable[..., Any]] = {}  # id(wrapper) -> guard
+        self.hooked: Any = None
+        self.owned: set[int] = set()  # ids of wrappers registered with the patcher
+        self.owned_by: Any = None
+
+    def wrapper_for(self, guard: Callable[..., Any], op: str) -> Callable[..., Any]:
+        hit = self.wrappers.get(id(guard))
+        if hit is not None and hit[0] is guard:
+            return hit[1]
+        compiling = _is_compiling
+        dispatch = _dispatch
+
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            # the whole cost of the layer before an observer runs: two attribute reads
+            if not (dispatch.observers or dispatch.counters) or compiling():
+                return guard(*args, **kwargs)
+            return dispatch.call(op, guard, args, kwargs)
+
+        functools.update_wrapper(watched, guard)  # name, doc, signature, overloads, markers
+        watched.__opcontracts_observed__ = True  # type: ignore[attr-defined]
+        watched.__opcontracts_nan__ = True  # type: ignore[attr-defined]  # the marker's old name
+        self.wrappers[id(guard)] = (guard, watched)
+        self.wrapper_ids[id(watched)] = guard
+        return watched
+
+    def _unwrap(self, raw: Any) -> tuple[Any, Callable[[Any], Any]]:
+        """The callable inside ``raw`` and how to rebuild ``raw`` around another one."""
+        if isinstance(raw, staticmethod):
+            return raw.__func__, staticmethod
+        if isinstance(raw, classmethod):
+            return raw.__func__, classmethod
+        return raw, lambda f: f
+
+    def sync(self, full: bool, who: str = "opcontracts") -> None:
+        """Wrap the guards of every patch record not wrapped yet; with ``full``, also names
+        bound to guards in any loaded module (``from x import f`` after the patch)."""
+        patch = sys.modules.get("opcontracts.patch")
+        if patch is None or not patch.is_applied():
+            if full:
+                warnings.warn(f"{who}: opcontracts.patch is not applied, so no op is "
+                              "watched; import opcontracts.patch first", RuntimeWarning,
+                              stacklevel=5)
+            return
+        self._hook_patcher(patch)
+        guards: dict[int, tuple[Any, str]] = {}
+        for rec in patch.patched():
+            owner, attr = rec.owner, rec.attr
+            raw = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr,
+                                                                                   None)
+            fn, rebuild = self._unwrap(raw)
+            if fn is None or id(fn) in self.wrapper_ids:
+                continue
+            if not getattr(fn, "__opcontracts_patched__", False):
+                continue  # not ours any more (restored, or replaced by someone else)
+            wrapper = self.wrapper_for(fn, rec.op)
+            new = rebuild(wrapper)
+            setattr(owner, attr, new)
+            self.saved.append((owner, attr, raw, new))
+            guards[id(fn)] = (fn, rec.op)
+            self._own(patch, wrapper)
+        if full:
+            for g, _w in self.wrappers.values():
+                guards.setdefault(id(g), (g, getattr(g, "__opcontracts_op__", "?")))
+            self._rebind(guards)
+
+    def _own(self, patch: ModuleType, wrapper: Callable[..., Any]) -> None:
+        """Tell the patch that ``wrapper`` stands where its guard stood: ``patch.apply()`` while
+        the layer is on must see the target as guarded (not re-record or drop it), so that
+        ``unpatch()`` still restores the original afterwards."""
+        patcher = patch._patcher
+        with patcher.lock:
+            patcher.guard_ids.add(id(wrapper))
+        self.owned.add(id(wrapper))
+        self.owned_by = patcher
+
+    def _disown(self) -> None:
+        patcher = self.owned_by
+        if patcher is not None:
+            with patcher.lock:
+                patcher.guard_ids.difference_update(self.owned)
+        self.owned.clear()
+        self.owned_by = None
+
+    def _rebind(self, guards: dict[int, tuple[Any, str]]) -> None:
+        for name, mod, d in _module_dicts():
+            if name == __name__:
+                continue
+            for key, value in list(d.items()):
+                hit = guards.get(id(value))
+                if hit is None or hit[0] is not value:
+                    continue
+                new = self.wrapper_for(value, hit[1])
+                d[key] = new
+                self.saved.append((mod, key, value, new))
+
+    def restore(self) -> None:
+        """Undo every change (newest first) where it is still ours, and turn wrappers that
+        were copied elsewhere (``from x import f`` while on) back into their guards."""
+        for owner, attr, old, new in reversed(self.saved):
+            cur = owner.__dict__.get(attr) if isinstance(owner, (type, ModuleType)) else \
+                getattr(owner, attr, None)
+            if cur is new:
+                setattr(owner, attr, old)
+        self.saved.clear()
+        for _name, _mod, d in _module_dicts():
+            for key, value in list(d.items()):
+                guard = self.wrapper_ids.get(id(value))
+                if guard is not None and self.wrappers.get(id(guard), (None, None))[1] is value:
+                    d[key] = guard
+        self._unhook_patcher()
+        self._disown()
+        self.wrappers.clear()
+        self.wrapper_ids.clear()
+
+    def _hook_patcher(self, patch: ModuleType) -> None:
+        """Wrap what the patch guards when a module is imported (the patch's own import hook
+        calls ``on_import`` after patching it, before the importer's ``from x import f``)."""
+        patcher = patch._patcher
+        if self.hooked is patcher:
+            return
+        original = patcher.on_import
+
+        def on_import(name: str) -> None:
+            original(name)
+            with _lock:
+                if _attached:
+                    self.sync(full=False)
+
+        patcher.on_import = on_import
+        self.hooked = patcher
+
+    def _unhook_patcher(self) -> None:
+        patcher = self.hooked
+        if patcher is not None:
+            patcher.__dict__.pop("on_import", None)
+        self.hooked = None
+
+
+_layer = _Layer()
+_lock = threading.RLock()
+_attached: list[Observer | Counter] = []
+
+
+def _publish() -> None:
+    """Hand the dispatcher the attached observers as tuples (replaced whole: readers need no
+    lock) and run the module hooks exactly while an observer needs them."""
+    _dispatch.counters = tuple(o for o in _attached if isinstance(o, Counter))
+    _dispatch.observers = tuple(o for o in _attached if isinstance(o, Observer))
+    wants_modules = any(getattr(o, "modules", False) for o in _dispatch.observers)
+    if wants_modules and not _modules.running:
+        _modules.start()
+    elif not wants_modules and _modules.running:
+        _modules.stop()
+
+
+def attach(observer: Observer | Counter, *, who: str = "opcontracts") -> None:
+    """Start handing guarded calls to ``observer`` (installing the layer if it is the first);
+    again for an attached one re-syncs with the patch (picks up guards that appeared since).
+    ``who`` names the caller in the warning given when the patch is not applied."""
+    with _lock:
+        if not any(o is observer for o in _attached):
+            _attached.append(observer)
+            _publish()
+        _layer.sync(full=True, who=who)
+
+
+def detach(observer: Observer | Counter) -> None:
+    """Stop handing calls to ``observer``; the last one to leave takes the layer off (the
+    guards are the patch's own objects again)."""
+    with _lock:
+        for i, o in enumerate(_attached):
+            if o is observer:
+                del _attached[i]
+                break
+        else:
+            return
+        if not _attached:
+            _layer.restore()
+        _publish()
+
+
+def attached() -> list[Observer | Counter]:
+    """The observers attached now."""
+    with _lock:
+        return list(_attached)
