@@ -15,10 +15,12 @@ from .errors import (
     ContractViolation,
     ContractWarning,
     OpContractsError,
+    SettingError,
 )
 
 if TYPE_CHECKING:
     from ._registry import UnknownOpError, get_contract, register
+    from ._use import use
     from ._values import set_value_checks, value_checks_enabled
     from ._versions import set_versions
     from .decorator import check, enforce
@@ -33,7 +35,7 @@ _LAZY = {
     "set_versions": "_versions",
     "check": "decorator", "enforce": "decorator",
     "Arg": "spec", "Contract": "spec", "ValueRule": "spec", "When": "spec",
-    "load_contracts": "spec",
+    "load_contracts": "spec", "use": "_use",
 }
 
 
@@ -63,6 +65,7 @@ __all__ = [
     "ContractWarning",
     "OpContractsError",
     "Report",
+    "SettingError",
     "UnknownOpError",
     "ValueRule",
     "When",
@@ -79,5 +82,6 @@ __all__ = [
     "set_mode",
     "set_value_checks",
     "set_versions",
+    "use",
     "value_checks_enabled",
 ]

@@ -32,7 +32,37 @@ __all__ = ["register", "unregister", "get_contract", "resolve", "all_contracts",
 
 
 class UnknownOpError(OpContractsError, LookupError):
-    """No contract is registered under that op name."""
+    """No contract is registered under that op name.  With ``op``, the message lists the
+    registered (and shipped) op names nearest to it and says how to load a contract file."""
+
+    def __init__(self, message: str, *, op: str | None = None) -> None:
+        self.op = op
+        self.near: tuple[str, ...] = () if op is None else tuple(near_ops(op))
+        if op is not None:
+            if self.near:
+                message += f"; near matches: {', '.join(self.near)}"
+            message += ("; to use your own contracts, load them with opcontracts.use('FILE.toml')"
+                        " (or set OPCONTRACTS_CONTRACTS); `opcontracts list` shows every op")
+        super().__init__(message)
+
+
+def near_ops(op: str, n: int = 5) -> list[str]:
+    """Op names close to ``op``: the registered ones and the shipped index's, by spelling
+    (difflib) and by containment (``unpermute`` finds ``npu_moe_token_unpermute``)."""
+    import difflib
+
+    with _lock:
+        known = set(_by_op)
+    try:
+        known.update(e.op for e in shipped_index())
+    except OpContractsError:  # pragma: no cover - a broken install: the registered ones
+        pass
+    known.discard(op)
+    names = sorted(known)
+    low = op.lower()
+    close = difflib.get_close_matches(op, names, n=n, cutoff=0.6)
+    contains = [k for k in names if low and (low in k.lower() or k.lower() in low)]
+    return list(dict.fromkeys(close + sorted(contains, key=len)))[:n]
 
 
 _lock = threading.RLock()
@@ -148,7 +178,7 @@ def resolve(op: str) -> Contract | None:
             load_shipped()  # shipped packs are validated on first need
             lst = _by_op.get(op)
         if not lst:
-            raise UnknownOpError(f"no contract registered for op {op!r}")
+            raise UnknownOpError(f"no contract registered for op {op!r}", op=op)
         env = _versions.current()
         app = [c for c in lst if _versions.applies(c.when, env) is not False]
         res = None if not app else app[0] if len(app) == 1 else merge_contracts(app)
