@@ -12,6 +12,12 @@ The MoE layer has two paths over the same weights:
   the router's fp32 probs handed to the unpermute as they come (``moe_router_dtype=fp32``);
 * ``fused=False``: the unfused Megatron-style path in plain PyTorch (the "GPU golden path"):
   multiply by the probs in fp32, cast back to the tokens' dtype.
+
+``cast_probs=True`` is the incident's one-line fix written by hand (``probs.to(torch.bfloat16)``
+before the fused unpermute): a run that conforms, for measuring what the guards cost.
+``Float16Module`` is how Megatron holds the model in a distributed job (as ``.module``, in
+bf16); ``opcontracts demo --ranks N`` shards it with FSDP the way the incident's job did, which
+gives the incident's module paths (``_fsdp_wrapped_module.module.layers.2._fsdp_wrapped_module.mlp``).
 """
 
 from __future__ import annotations
@@ -80,6 +86,7 @@ class MoELayer(nn.Module):
         self.router = Router(hidden, experts, topk)
         self.experts = nn.ModuleList(Expert(hidden, ffn) for _ in range(experts))
         self.fused = True
+        self.cast_probs = False
 
     def _run_experts(self, permuted: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         # rows are sorted by expert id: expert e takes the next counts[e] rows
@@ -94,6 +101,8 @@ class MoELayer(nn.Module):
         if self.fused:
             permuted, sorted_indices = npu_moe_token_permute(tokens, indices)
             expert_out = self._run_experts(permuted, indices)
+            if self.cast_probs:
+                probs = probs.to(torch.bfloat16)  # the fix
             # the incident: probs are fp32 here, and MindSpeed's unpermute takes bf16 only
             out = npu_moe_token_unpermute(expert_out, sorted_indices, probs)
         else:
@@ -135,10 +144,11 @@ class MoEModel(nn.Module):
         self.norm = RMSNorm(hidden)
         self.head = nn.Linear(hidden, vocab, bias=False)
 
-    def set_fused(self, fused: bool) -> None:
+    def set_fused(self, fused: bool, cast_probs: bool = False) -> None:
         for m in self.modules():
             if isinstance(m, MoELayer):
                 m.fused = fused
+                m.cast_probs = cast_probs
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids)
@@ -146,3 +156,14 @@ class MoEModel(nn.Module):
             x = layer(x)
         logits = self.head(self.norm(x)).float()
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+class Float16Module(nn.Module):
+    """Megatron's wrapper of the model in a training job: the model in bf16, as ``.module``."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module.to(torch.bfloat16)
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.module(ids, targets)

@@ -235,6 +235,13 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--seed", type=int, default=0, help="seed of the weights and data (default 0)")
     pd.add_argument("--nan-check", action="store_true",
                     help="also run the NaN sentinel on the unguarded and fix runs")
+    pd.add_argument("--ranks", type=int, metavar="N",
+                    help="run it as the incident ran: N processes (gloo, CPU), the model sharded "
+                    "per block with FSDP, the sentinel on; rank 0 prints the merged result "
+                    "(under torchrun the job's own processes are used)")
+    pd.add_argument("--fsdp", type=int, choices=(1, 2),
+                    help="with --ranks: FSDP1 (FullyShardedDataParallel, flat parameters; the "
+                    "default) or FSDP2 (fully_shard, DTensor parameters)")
     pd.set_defaults(func=_cmd_demo)
     # everything after `run` belongs to opcontracts run's own parser (then to the script):
     # no prefix characters, so argparse hands every word over untouched

@@ -1,8 +1,8 @@
 """``opcontracts demo``: reproduce the first-step NaN of the incident, catch it, fix it.
 
-The incident (README): an MoE model trained on Ascend NPUs ran step 1's forward pass fine and
-got NaN gradients in backward, because MindSpeed's fused unpermute kernel takes bf16 ``probs``
-only and the router handed it fp32 (``moe_router_dtype=fp32``).  The fix was
+The incident (README): an MoE model trained on Ascend NPUs (8 cards, FSDP) ran step 1's forward
+pass fine and got NaN gradients in backward, because MindSpeed's fused unpermute kernel takes
+bf16 ``probs`` only and the router handed it fp32 (``moe_router_dtype=fp32``).  The fix was
 ``probs = probs.to(torch.bfloat16)``.
 
 The demo runs one training step (forward + backward) of a small MoE transformer
@@ -14,13 +14,26 @@ The demo runs one training step (forward + backward) of a small MoE transformer
 * ``strict``: the same, ``opcontracts.mode("strict")``: the unpermute call raises
   ``ContractViolation`` naming ``probs`` before the kernel runs;
 * ``fix``: the same, ``opcontracts.mode("fix")``: probs are cast to bf16 at the call; loss and
-  gradients match the reference within bf16 tolerance.
+  gradients match the reference within bf16 tolerance, and the gradients reach the router's
+  fp32 probs (the cast is autograd-tracked).
 
 The fused calls take exactly the path of a user's job: the model file does
 ``from mindspeed.ops.npu_moe_token_unpermute import npu_moe_token_unpermute`` after
 ``import opcontracts.patch``; the shipped contracts decide; the demo only sets the mode.
 ``--nan-check`` also runs the NaN sentinel (``opcontracts.nan``) on the unguarded and fix runs.
-The exit status is 0 only when all four outcomes are the described ones, so CI can run it.
+
+``--ranks N [--fsdp 1|2]`` runs the same four steps as the incident's job did: N processes
+(``_demo_dist.launch``; under ``torchrun`` the processes are already there and nothing is
+spawned), gloo on the CPU, the model held as Megatron holds it (``Float16Module``) and sharded
+per block with FSDP1 (default: flat parameters, the incident's ``_fsdp_wrapped_module`` paths)
+or FSDP2 (``fully_shard``: DTensor parameters), each rank on its own data shard, the sentinel
+on.  Each rank judges its own outcome against its own reference step, with gradient numbers
+summed over the ranks' shards; rank 0 prints once: the table with the ranks' merged outcome,
+the sentinel's first event on each rank with the module path as FSDP names it and as the model
+does (``_modpath.clean``), and the violations of every rank (``opcontracts.report(gather=True)``).
+
+The exit status is 0 only when all four outcomes are the described ones (on every rank), so CI
+can run it.
 """
 
 from __future__ import annotations
@@ -43,7 +56,8 @@ from typing import Any
 
 from ._report import aligned
 
-__all__ = ["DemoResult", "Scenario", "format_table", "main", "run", "run_demo"]
+__all__ = ["DemoResult", "DistResult", "Scenario", "format_dist", "format_table", "main", "run",
+           "run_demo", "run_rank"]
 
 PROFILE = "incident"
 PROFILE_WHY = ("the forward kernels accept fp32 probs (torch_npu 2.13 docs) while the unpermute "
@@ -65,6 +79,9 @@ GRAD_RTOL = 1e-1   # ||g - g_ref|| <= GRAD_RTOL * ||g_ref||, over all parameters
 FAR = 0.5          # "far off": a finite relative gradient error above this
 
 BATCH, SEQ, VOCAB = 4, 32, 128
+RANK_STRIDE = 1_000_003  # rank r's data comes from seed + 1 + r * RANK_STRIDE (rank 0: the
+#                          single-process batch)
+MAX_RANKS = 64
 
 
 # --------------------------------------------------------------------------- results
@@ -85,8 +102,11 @@ class Scenario:
     violation: dict[str, Any] | None = None  # op, arg, rule of a ContractViolation
     fixes: list[str] = field(default_factory=list)  # fix mode's repairs
     nan_check: dict[str, Any] | None = None  # the NaN sentinel's result (--nan-check)
+    probs_grads: list[str] = field(default_factory=list)  # per router call: what reached its
+    #                                  fp32 probs in backward ("finite", "non-finite", "none")
     ok: bool = False
     verdict: str = ""
+    sentinel: str = ""                # what the sentinel said, for the table (with --nan-check)
     seconds: float = 0.0
 
 
@@ -105,6 +125,33 @@ class DemoResult:
         return _plain(asdict(self))
 
 
+@dataclass
+class DistResult:
+    """``--ranks N``: every rank's four scenarios and what they say together.  Gradient numbers
+    (norm, distance to the reference) are whole-model numbers, summed over the ranks' shards;
+    losses are each rank's own (its data shard)."""
+
+    ok: bool                           # every scenario as described on every rank
+    rank: int                          # the rank that holds this result
+    ranks: int
+    fsdp: int
+    backend: str
+    profile: str
+    seed: int
+    tolerance: dict[str, float]
+    scenarios: list[Scenario]          # rank 0's (its loss; the gradient numbers are global)
+    per_rank: list[list[Scenario]]     # [rank][scenario]
+    ranks_ok: dict[str, list[int]]     # scenario -> the ranks where it came out as described
+    nan: dict[str, dict[str, Any]]     # scenario -> the sentinel's findings over the ranks
+    #                                    (``_dist.merge_nan``: first, firsts, seen_by, clean)
+    report: dict[str, Any]             # every rank's violations, merged (report(gather=True))
+    compare: dict[str, Any] | None     # the golden compare's first divergence, when it exists
+    wall_s: float                      # rank 0's: environment, four steps, gathering
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(asdict(self))
+
+
 def _plain(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
         return str(v)
@@ -115,8 +162,15 @@ def _plain(v: Any) -> Any:
     return v
 
 
+def _unplain(v: Any) -> Any:
+    """A number from ``_plain`` data ("nan", "inf" back to floats)."""
+    if isinstance(v, str) and v in ("nan", "inf", "-inf"):
+        return float(v)
+    return v
+
+
 class _CannotRun(Exception):
-    """The demo cannot run here (a real torch_npu): exit status 2."""
+    """The demo cannot run here (a real torch_npu, bad options): exit status 2."""
 
 
 # --------------------------------------------------------------------------- environment
@@ -136,6 +190,12 @@ def _real_torch_npu() -> str | None:
     except (ImportError, ValueError):
         spec = None
     return None if spec is None else f"torch_npu is importable from {spec.origin or spec.name}"
+
+
+def _refusal(reason: str) -> str:
+    return (f"a real torch_npu is present ({reason}). The demo reproduces the incident on the "
+            "CPU emulation of the NPU kernels, which never shadows a real torch_npu. On this "
+            "machine, guard your own job instead: opcontracts run --mode strict train.py")
 
 
 def _load_model() -> types.ModuleType:
@@ -166,10 +226,7 @@ def _environment() -> Iterator[types.ModuleType]:
     profile restored), the patch lifted if it was not applied before."""
     reason = _real_torch_npu()
     if reason is not None:
-        raise _CannotRun(
-            f"a real torch_npu is present ({reason}). The demo reproduces the incident on the "
-            "CPU emulation of the NPU kernels, which never shadows a real torch_npu. On this "
-            "machine, guard your own job instead: opcontracts run --mode strict train.py")
+        raise _CannotRun(_refusal(reason))
     from . import emulation
 
     was_installed = emulation.installed()
@@ -201,46 +258,112 @@ def _environment() -> Iterator[types.ModuleType]:
 @dataclass
 class _Step:
     loss: float
-    grads: dict[str, Any]  # name -> fp32 gradient tensor
+    grads: dict[str, Any]   # name -> fp32 gradient tensor (this rank's shards under FSDP)
+    probs_grads: list[str]  # per router call: what reached its fp32 probs in backward
 
 
-def _batch(seed: int) -> tuple[Any, Any]:
+@dataclass(frozen=True)
+class _Setting:
+    """Where the step runs: one process (``SINGLE``) or one rank of an FSDP job
+    (``_fsdp_setting``): how the model is held, where its gradients are, how numbers from the
+    gradients become whole-model numbers."""
+
+    wrap: Callable[[Any, types.ModuleType], Any]   # (model in fp32, model module) -> the module
+    #                                                to call, in bf16
+    grads: Callable[[Any], dict[str, Any]]         # the module -> name: fp32 gradient
+    sum: Callable[[Sequence[float]], list[float]]  # over the ranks
+    max: Callable[[Sequence[float]], list[float]]
+
+
+def _grads_single(model: Any) -> dict[str, Any]:
     import torch
 
-    g = torch.Generator().manual_seed(seed + 1)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    targets = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    return ids, targets
-
-
-def _train_step(model_mod: types.ModuleType, seed: int, batch: tuple[Any, Any], fused: bool,
-                ) -> _Step:
-    """Build the model from the seed (bf16 weights), run forward + backward once."""
-    import torch
-
-    with torch.random.fork_rng(devices=[]):  # the caller's RNG state is left alone
-        torch.manual_seed(seed)
-        model = model_mod.MoEModel(vocab=VOCAB).to(torch.bfloat16)
-    model.set_fused(fused)
-    loss = model(*batch)
-    loss.backward()
     grads = {}
     for name, p in model.named_parameters():
         g = p.grad
         grads[name] = (g.detach().float() if g is not None
                        else torch.zeros(p.shape, dtype=torch.float32))
-    return _Step(float(loss.detach()), grads)
+    return grads
 
 
-def _grad_norm(grads: dict[str, Any]) -> float:
-    return math.sqrt(sum(float((g * g).sum()) for g in grads.values()))
+def _same(values: Sequence[float]) -> list[float]:
+    return list(values)
 
 
-def _nonfinite(step: _Step) -> bool:
+def _wrap_single(model: Any, _mod: types.ModuleType) -> Any:
     import torch
 
-    return not math.isfinite(step.loss) or any(
-        not bool(torch.isfinite(g).all()) for g in step.grads.values())
+    return model.to(torch.bfloat16)
+
+
+SINGLE = _Setting(wrap=_wrap_single, grads=_grads_single, sum=_same, max=_same)
+
+
+def _fsdp_setting(fsdp: int) -> _Setting:
+    """One rank of the job: the model as Megatron holds it (``Float16Module``, bf16), sharded
+    per block with FSDP ``fsdp``."""
+    from . import _demo_dist
+
+    def wrap(model: Any, mod: types.ModuleType) -> Any:
+        return _demo_dist.shard(mod.Float16Module(model), mod.Block, fsdp)
+
+    return _Setting(wrap=wrap, grads=_demo_dist.local_grads, sum=_demo_dist.all_sum,
+                    max=_demo_dist.all_max)
+
+
+def _batch(seed: int, rank: int = 0) -> tuple[Any, Any]:
+    """The step's token ids and targets; each rank its own shard (rank 0's is the
+    single-process batch)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed + 1 + RANK_STRIDE * rank)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    targets = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    return ids, targets
+
+
+def _watch_probs(model: Any, router: type[Any]) -> tuple[list[str], list[Any]]:
+    """Per router call, what gradient reaches the fp32 probs it returns (filled in backward):
+    fix mode's cast must be autograd-tracked, or the router learns nothing."""
+    import torch
+
+    seen: list[str] = []
+
+    def on_output(_m: Any, _args: Any, out: Any) -> None:
+        probs = out[0]
+        if not (isinstance(probs, torch.Tensor) and probs.requires_grad):
+            return
+        i = len(seen)
+        seen.append("none")
+
+        def on_grad(g: Any) -> None:
+            seen[i] = "finite" if bool(torch.isfinite(g).all()) else "non-finite"
+
+        probs.register_hook(on_grad)
+
+    handles = [m.register_forward_hook(on_output) for m in model.modules()
+               if isinstance(m, router)]
+    return seen, handles
+
+
+def _train_step(model_mod: types.ModuleType, seed: int, batch: tuple[Any, Any], fused: bool,
+                setting: _Setting = SINGLE) -> _Step:
+    """Build the model from the seed (bf16 weights), run forward + backward once."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):  # the caller's RNG state is left alone
+        torch.manual_seed(seed)
+        inner = model_mod.MoEModel(vocab=VOCAB)
+    inner.set_fused(fused)
+    model = setting.wrap(inner, model_mod)
+    probs_grads, handles = _watch_probs(model, model_mod.Router)
+    try:
+        loss = model(*batch)
+        loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+    return _Step(float(loss.detach()), setting.grads(model), probs_grads)
 
 
 def _max_abs_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
@@ -253,10 +376,33 @@ def _max_abs_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
     return worst
 
 
-def _rel_err(a: dict[str, Any], b: dict[str, Any]) -> float:
-    num = math.sqrt(sum(float(((g - b[n]) ** 2).sum()) for n, g in a.items()))
-    den = _grad_norm(b)
-    return num / den if den else (0.0 if num == 0 else math.inf)
+def _measure(sc: Scenario, step: _Step | None, base: _Step | None, setting: _Setting) -> None:
+    """Gradient numbers of ``step`` against ``base`` over the whole model: this rank's sums,
+    added up over the ranks (always called, also when the step raised, so that every rank
+    takes part in the same collectives)."""
+    import torch
+
+    if step is None or base is None:
+        local = [0.0, 0.0, 0.0, 0.0, 0.0]
+        mad = 0.0
+    else:
+        sq = sum(float((g * g).sum()) for g in step.grads.values())
+        ref_sq = sum(float((g * g).sum()) for g in base.grads.values())
+        diff_sq = sum(float(((g - base.grads[n]) ** 2).sum()) for n, g in step.grads.items())
+        mad = _max_abs_diff(step.grads, base.grads)
+        nonfinite = sum(not bool(torch.isfinite(g).all()) for g in step.grads.values())
+        local = [sq, diff_sq, ref_sq, float(math.isnan(mad)), float(nonfinite)]
+    sq, diff_sq, ref_sq, nan_diff, bad = setting.sum(local)
+    (worst,) = setting.max([0.0 if math.isnan(mad) else mad])
+    if step is None:
+        return
+    sc.loss = step.loss
+    sc.grad_norm = math.sqrt(sq)
+    sc.nonfinite = not math.isfinite(step.loss) or bad > 0
+    sc.max_abs_diff = math.nan if nan_diff else worst
+    num, den = math.sqrt(diff_sq), math.sqrt(ref_sq)
+    sc.rel_err = num / den if den else (0.0 if num == 0 else math.inf)
+    sc.probs_grads = list(step.probs_grads)
 
 
 def _fmt(v: float | None, spec: str) -> str:
@@ -266,17 +412,17 @@ def _fmt(v: float | None, spec: str) -> str:
 
 
 # --------------------------------------------------------------------------- the demo
-def run_demo(seed: int = 0, nan_check: bool = False,
-             out: Callable[[str], None] | None = None) -> DemoResult:
-    """Run the four scenarios; ``out`` receives the progress lines (default: stdout).
+def _scenarios() -> list[Scenario]:
+    return [
+        Scenario("reference", None, "pure-PyTorch MoE, no fused ops (the GPU golden path)"),
+        Scenario("unguarded", "off", "MindSpeed's fused ops, opcontracts.mode('off')"),
+        Scenario("strict", "strict", "fused ops, opcontracts.mode('strict')"),
+        Scenario("fix", "fix", "fused ops, opcontracts.mode('fix')"),
+    ]
 
-    ``wall_s`` counts from here, after ``import torch``: the emulation's install, the patch,
-    the four steps and the cleanup."""
-    import torch  # noqa: F401 - imported before the clock starts
 
-    say = out or (lambda s: print(s, flush=True))
-    t0 = time.perf_counter()
-    for para in (
+def _intro(seed: int, where: str) -> list[str]:
+    paras = [
         "opcontracts demo: the first-step NaN of the incident (MoE training on NPUs: fp32 "
         "router probs handed to MindSpeed's bf16-only fused unpermute)",
         f"emulation: profile '{PROFILE}' of the CPU emulation of the NPU kernels: {PROFILE_WHY}",
@@ -284,39 +430,58 @@ def run_demo(seed: int = 0, nan_check: bool = False,
         f"attention + MoE (4 experts, top-2), bf16 weights, fp32 router; batch {BATCH}x{SEQ} "
         f"tokens, seed {seed}; its MindSpeed fused permute/unpermute calls are guarded by "
         "`import opcontracts.patch` and the shipped contracts",
-    ):
-        say(textwrap.fill(para, width=100, subsequent_indent="  "))
-    say("")
-    scenarios = [
-        Scenario("reference", None, "pure-PyTorch MoE, no fused ops (the GPU golden path)"),
-        Scenario("unguarded", "off", "MindSpeed's fused ops, opcontracts.mode('off')"),
-        Scenario("strict", "strict", "fused ops, opcontracts.mode('strict')"),
-        Scenario("fix", "fix", "fused ops, opcontracts.mode('fix')"),
     ]
-    batch = _batch(seed)
-    ref: _Step | None = None
+    if where:
+        paras.append(where)
+    return [textwrap.fill(p, width=100, subsequent_indent="  ") for p in paras]
+
+
+def _run_all(scenarios: list[Scenario], model_mod: types.ModuleType, seed: int,
+             batch: tuple[Any, Any], nan_check: bool, setting: _Setting,
+             say: Callable[[str], None]) -> None:
+    ref: Scenario | None = None
+    ref_step: _Step | None = None
+    for i, sc in enumerate(scenarios, 1):
+        say(f"[{i}/4] {sc.name}: {sc.description} ...")
+        step = _run_scenario(sc, model_mod, seed, batch, ref_step, nan_check, setting)
+        if sc.name == "reference":
+            ref, ref_step = sc, step
+        _judge(sc, ref)
+        if sc.error:
+            say("    " + sc.error.replace("\n", "\n    "))
+        for line in sc.fixes:
+            say(f"    fixed: {line}")
+
+
+def run_demo(seed: int = 0, nan_check: bool = False,
+             out: Callable[[str], None] | None = None) -> DemoResult:
+    """Run the four scenarios in this process; ``out`` receives the progress lines (default:
+    stdout).
+
+    ``wall_s`` counts from here, after ``import torch``: the emulation's install, the patch,
+    the four steps and the cleanup."""
+    import torch  # noqa: F401 - imported before the clock starts
+
+    say = out or (lambda s: print(s, flush=True))
+    t0 = time.perf_counter()
+    for line in _intro(seed, ""):
+        say(line)
+    say("")
+    scenarios = _scenarios()
     with _environment() as model_mod:
-        for i, sc in enumerate(scenarios, 1):
-            say(f"[{i}/4] {sc.name}: {sc.description} ...")
-            step = _run_scenario(sc, model_mod, seed, batch, ref, nan_check)
-            if sc.name == "reference":
-                ref = step
-            _judge(sc, ref)
-            if sc.error:
-                say("    " + sc.error.replace("\n", "\n    "))
-            for line in sc.fixes:
-                say(f"    fixed: {line}")
+        _run_all(scenarios, model_mod, seed, _batch(seed), nan_check, SINGLE, say)
     wall = time.perf_counter() - t0
     ok = all(sc.ok for sc in scenarios)
-    return DemoResult(ok, PROFILE, PROFILE_WHY, seed,
-                      {"loss_rtol": LOSS_RTOL, "norm_rtol": NORM_RTOL, "grad_rtol": GRAD_RTOL,
-                       "far": FAR}, scenarios, wall)
+    return DemoResult(ok, PROFILE, PROFILE_WHY, seed, _tolerance(), scenarios, wall)
 
 
+def _tolerance() -> dict[str, float]:
+    return {"loss_rtol": LOSS_RTOL, "norm_rtol": NORM_RTOL, "grad_rtol": GRAD_RTOL, "far": FAR}
 
 
 def _run_scenario(sc: Scenario, model_mod: types.ModuleType, seed: int, batch: tuple[Any, Any],
-                  ref: _Step | None, nan_check: bool) -> _Step | None:
+                  ref: _Step | None, nan_check: bool, setting: _Setting = SINGLE,
+                  ) -> _Step | None:
     """One training step in ``sc``'s mode; fills ``sc`` with what came out."""
     import opcontracts
     from opcontracts import ContractFixWarning, ContractViolation
@@ -333,7 +498,7 @@ def _run_scenario(sc: Scenario, model_mod: types.ModuleType, seed: int, batch: t
             warnings.simplefilter("always", ContractFixWarning)
             mode = opcontracts.mode(sc.mode) if sc.mode is not None else contextlib.nullcontext()
             with mode:
-                step = _train_step(model_mod, seed, batch, fused=sc.name != "reference")
+                step = _train_step(model_mod, seed, batch, sc.name != "reference", setting)
         fixes = [str(w.message).splitlines()[0] for w in caught
                  if issubclass(w.category, ContractFixWarning)]
         sc.fixes = [f"{m} (x{fixes.count(m)})" if fixes.count(m) > 1 else m
@@ -341,12 +506,6 @@ def _run_scenario(sc: Scenario, model_mod: types.ModuleType, seed: int, batch: t
         for w in caught:  # anything else is the user's to see
             if not issubclass(w.category, ContractFixWarning):
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-        sc.loss = step.loss
-        sc.grad_norm = _grad_norm(step.grads)
-        sc.nonfinite = _nonfinite(step)
-        base = ref if ref is not None else step  # the reference compares with itself
-        sc.max_abs_diff = _max_abs_diff(step.grads, base.grads)
-        sc.rel_err = _rel_err(step.grads, base.grads)
     except ContractViolation as exc:
         sc.raised, sc.error = type(exc).__name__, str(exc)
         sc.violation = {"op": exc.op, "arg": exc.arg, "rule": exc.rule}
@@ -354,12 +513,14 @@ def _run_scenario(sc: Scenario, model_mod: types.ModuleType, seed: int, batch: t
         if sentinel is not None:
             result = sentinel.disable()
             sc.nan_check = {**result.to_dict(), "summary": result.summary()}
-        sc.seconds = time.perf_counter() - start
+    _measure(sc, step, ref if ref is not None else step, setting)  # the reference: itself
+    sc.seconds = time.perf_counter() - start
     return step
 
 
-def _judge(sc: Scenario, ref: _Step | None) -> None:
-    """Is the outcome the described one?  Sets ``ok`` and a one-line ``verdict``."""
+def _judge(sc: Scenario, ref: Scenario | None) -> None:
+    """Is the outcome the described one?  Sets ``ok``, a one-line ``verdict`` and, with the
+    sentinel on, what it said (``sentinel``)."""
     nan = sc.nan_check
     first = nan.get("first") if nan else None
     if sc.name == "reference":
@@ -373,8 +534,8 @@ def _judge(sc: Scenario, ref: _Step | None) -> None:
         sc.verdict = (f"ContractViolation: {v.get('op')}, 'probs'" if sc.ok
                       else "expected a ContractViolation naming the unpermute op and 'probs'")
         return
-    assert ref is not None
-    if sc.loss is None or sc.rel_err is None:
+    assert ref is not None and ref.loss is not None and ref.grad_norm is not None
+    if sc.loss is None or sc.rel_err is None or sc.grad_norm is None:
         sc.ok, sc.verdict = False, f"raised {sc.raised}"
         return
     loss_close = abs(sc.loss - ref.loss) <= LOSS_RTOL * abs(ref.loss)
@@ -392,41 +553,277 @@ def _judge(sc: Scenario, ref: _Step | None) -> None:
             sc.ok = sc.ok and named
             if named:
                 assert first is not None
-                sc.verdict += f"; sentinel: {first['op']}, {first['direction']}, {first['module']}"
+                sc.sentinel = (f"sentinel: {first['op']}, {first['direction']}, "
+                               f"{first['module']}")
             else:
-                sc.verdict += "; the NaN sentinel did not name the unpermute backward"
+                sc.sentinel = "the NaN sentinel did not name the unpermute backward"
         return
     # fix
-    assert sc.grad_norm is not None
-    norm_close = abs(sc.grad_norm - _grad_norm(ref.grads)) <= NORM_RTOL * _grad_norm(ref.grads)
+    reached = bool(sc.probs_grads) and all(g == "finite" for g in sc.probs_grads)
+    norm_close = abs(sc.grad_norm - ref.grad_norm) <= NORM_RTOL * ref.grad_norm
     sc.ok = bool(sc.nonfinite is False and loss_close and norm_close
-                 and sc.rel_err <= GRAD_RTOL)
-    sc.verdict = ("matches the reference (bf16 tolerance)" if sc.ok
-                  else "expected finite values within bf16 tolerance of the reference")
+                 and sc.rel_err <= GRAD_RTOL and reached)
+    if sc.ok:
+        sc.verdict = "matches the reference (bf16 tolerance), grads reach the fp32 probs"
+    elif not reached:
+        sc.verdict = ("the gradients did not reach the router's fp32 probs: "
+                      + ", ".join(sc.probs_grads or ["no router call"]))
+    else:
+        sc.verdict = "expected finite values within bf16 tolerance of the reference"
     if nan is not None:
         sc.ok = sc.ok and first is None
-        sc.verdict += "; sentinel: silent" if first is None else "; the NaN sentinel reported a NaN"
+        sc.sentinel = "sentinel: silent" if first is None else "the NaN sentinel reported a NaN"
+
+
+# --------------------------------------------------------------------------- --ranks N
+def run_rank(seed: int = 0, fsdp: int = 1, out: Callable[[str], None] | None = None
+             ) -> DistResult:
+    """This process's part of ``opcontracts demo --ranks N``: the four scenarios on this rank's
+    data shard, the model sharded with FSDP ``fsdp``, the NaN sentinel on.
+
+    Every rank of the job must call it (it is full of collectives: FSDP's, the gradient sums,
+    the gathers).  It joins the job's process group, or makes one from the launcher's
+    environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``).  Every rank gets
+    the merged result (``report`` is the merged one on rank 0 only); rank 0 prints the progress
+    lines (``out``, default stdout), the others print nothing."""
+    import torch  # noqa: F401 - imported before the clock starts
+
+    import opcontracts
+
+    from . import _demo_dist
+
+    if fsdp not in (1, 2):
+        raise _CannotRun(f"--fsdp must be 1 or 2, not {fsdp}")
+    t0 = time.perf_counter()
+    with _demo_dist.process_group() as (rank, world):
+        say = (out or (lambda s: print(s, flush=True))) if rank == 0 else (lambda s: None)
+        where = (f"job: {world} rank(s), gloo on the CPU, each rank on its own data shard; the "
+                 f"model held as Megatron holds it (Float16Module) and sharded per block with "
+                 + ("FSDP1 (FullyShardedDataParallel, auto-wrap policy on Block: flat "
+                    "parameters)" if fsdp == 1 else "FSDP2 (fully_shard per block: DTensor "
+                    "parameters)") + "; the NaN sentinel on")
+        for line in _intro(seed, where):
+            say(line)
+        say("")
+        scenarios = _scenarios()
+        with _environment() as model_mod:
+            _run_all(scenarios, model_mod, seed, _batch(seed, rank), True, _fsdp_setting(fsdp),
+                     say)
+        merged = opcontracts.report(gather=True)  # a collective: every rank calls it
+        payloads = _demo_dist.all_gather(
+            {"rank": rank, "scenarios": [_plain(asdict(sc)) for sc in scenarios]})
+        wall = time.perf_counter() - t0
+    per_rank = [[_scenario_from(d) for d in p["scenarios"]]
+                for p in sorted(payloads, key=lambda p: int(p["rank"]))]
+    ranks_ok = {sc.name: [r for r, scs in enumerate(per_rank) if scs[i].ok]
+                for i, sc in enumerate(scenarios)}
+    ok = all(len(v) == world for v in ranks_ok.values())
+    return DistResult(ok, rank, world, fsdp, "gloo", PROFILE, seed, _tolerance(), scenarios, per_rank,
+                      ranks_ok, _first_events(per_rank), merged.to_dict(), _golden_compare(),
+                      wall)
+
+
+_NUMBERS = ("loss", "grad_norm", "max_abs_diff", "rel_err")
+
+
+def _scenario_from(d: dict[str, Any]) -> Scenario:
+    return Scenario(**{k: (_unplain(v) if k in _NUMBERS else v) for k, v in d.items()})
+
+
+def _first_events(per_rank: list[list[Scenario]]) -> dict[str, dict[str, Any]]:
+    """Per sentinel run, its findings over the ranks, merged as ``opcontracts report merge``
+    merges ``run --nan-check`` files (``_dist.merge_nan``): ``first`` (with its ``rank``),
+    ``firsts`` (each distinct first culprit with the ranks whose first it was), ``seen_by``,
+    ``clean``, ``calls``."""
+    from ._dist import ReportFile, merge_nan
+    from ._report import Report
+
+    out: dict[str, dict[str, Any]] = {}
+    for i, sc in enumerate(per_rank[0]):
+        if sc.nan_check is None:
+            continue
+        files = [ReportFile(f"rank {r}", r, Report([]), scs[i].nan_check, None)
+                 for r, scs in enumerate(per_rank)]
+        merged = merge_nan(files)
+        if merged is not None:
+            merged.pop("per_rank", None)  # each rank's section is under per_rank already
+            out[sc.name] = merged
+    return out
+
+
+def _golden_compare() -> dict[str, Any] | None:
+    """The place for the golden compare's first divergence (issue 16, ``opcontracts.compare``:
+    the unguarded step's fused ops against their plain-PyTorch references, contracts off).
+    That module is not in this tree yet: nothing to show, ``compare`` is null in the JSON."""
+    return None
+
+
+def _rank_entry(seed: int, fsdp: int, json_path: str | None) -> int:
+    """What each process started by ``--ranks N`` runs (a module-level function: the launcher
+    spawns, and the new interpreter imports it by name).  Its exit status."""
+    return _as_rank(seed, fsdp, json_path)
+
+
+def _as_rank(seed: int, fsdp: int, json_path: str | None) -> int:
+    """Run this rank's part; rank 0 prints the merged result and writes ``--json``."""
+    try:
+        result = run_rank(seed=seed, fsdp=fsdp)
+    except _CannotRun as exc:  # every rank sees the same environment: every rank stops here
+        if _rank_of_env() == 0:
+            print(f"opcontracts demo: {exc}", file=sys.stderr)
+        return 2
+    if result.rank == 0:
+        print()
+        print(format_dist(result))
+        if json_path:
+            _write_json(json_path, result.to_dict())
+    return 0 if result.ok else 1
+
+
+def _rank_of_env() -> int:
+    import os
+
+    r = os.environ.get("RANK", "0")
+    return int(r) if r.isdigit() else 0
+
+
+def _launch(ranks: int, fsdp: int, seed: int, json_path: str | None) -> int:
+    """Start ``ranks`` processes that each run ``_rank_entry``; rank 0's exit status."""
+    from . import _demo_dist
+
+    reason = _real_torch_npu()
+    if reason is not None:
+        raise _CannotRun(_refusal(reason))
+    print(f"opcontracts demo: starting {ranks} process(es) (torch's elastic launcher, gloo, CPU; "
+          f"FSDP{fsdp}) ...", flush=True)
+    t0 = time.perf_counter()
+    try:
+        codes = _demo_dist.launch(ranks, _rank_entry, seed, fsdp, json_path)
+    except _demo_dist.LaunchError as exc:
+        print(f"opcontracts demo: {exc}", file=sys.stderr)
+        return 1
+    print(f"launcher: {ranks} process(es) started, ran and exited in "
+          f"{time.perf_counter() - t0:.2f} s", flush=True)
+    return int(codes.get(0, 1))
+
+
+# --------------------------------------------------------------------------- output
+def _numbers_cells(sc: Scenario) -> tuple[str, str, str, str, str]:
+    nonf = "-" if sc.nonfinite is None else ("yes" if sc.nonfinite else "no")
+    if sc.raised:
+        return "-", "-", nonf, "-", "-"
+    return (_fmt(sc.loss, ".6f"), _fmt(sc.grad_norm, ".4f"), nonf, _fmt(sc.max_abs_diff, ".3g"),
+            _fmt(sc.rel_err, ".2g"))
 
 
 def format_table(result: DemoResult) -> str:
     rows = [("scenario", "mode", "loss", "grad norm", "non-finite", "max |grad - ref|",
              "rel. err", "outcome")]
     for sc in result.scenarios:
-        nonf = "-" if sc.nonfinite is None else ("yes" if sc.nonfinite else "no")
-        if sc.raised:
-            loss = norm = diff = rel = "-"
-        else:
-            loss, norm, diff, rel = (_fmt(sc.loss, ".6f"), _fmt(sc.grad_norm, ".4f"),
-                                     _fmt(sc.max_abs_diff, ".3g"), _fmt(sc.rel_err, ".2g"))
-        rows.append((sc.name, sc.mode or "-", loss, norm, nonf, diff, rel,
-                     ("ok: " if sc.ok else "UNEXPECTED: ") + sc.verdict))
+        loss, norm, nonf, diff, rel = _numbers_cells(sc)
+        outcome = ("ok: " if sc.ok else "UNEXPECTED: ") + sc.verdict
+        if sc.sentinel:
+            outcome += "; " + sc.sentinel
+        rows.append((sc.name, sc.mode or "-", loss, norm, nonf, diff, rel, outcome))
     return "\n".join(aligned(rows))
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    return ",".join(map(str, ranks)) if ranks else "none"
+
+
+def format_dist(result: DistResult) -> str:
+    """What rank 0 prints at the end of ``--ranks N``: the table (losses: the mean over the
+    ranks; gradient numbers: the whole model's), the sentinel's first event on each rank, the
+    violations of every rank, the verdict."""
+    n = result.ranks
+    everyone = list(range(n))
+    rows: list[tuple[str, ...]] = [
+        ("scenario", "mode", f"loss (mean of {n})", "grad norm", "non-finite", "max |grad - ref|",
+         "rel. err", "ranks ok", "outcome")]
+    for i, sc in enumerate(result.scenarios):
+        _loss, norm, nonf, diff, rel = _numbers_cells(sc)
+        losses = [s[i].loss for s in result.per_rank]
+        loss = ("-" if sc.raised or any(v is None for v in losses)
+                else _fmt(sum(v for v in losses if v is not None) / n, ".6f"))
+        good = result.ranks_ok[sc.name]
+        bad = [r for r in everyone if r not in good]
+        ranks = "all" if not bad else f"{_ranks_text(good)} (not {_ranks_text(bad)})"
+        if bad:
+            outcome = f"UNEXPECTED on rank {_ranks_text(bad)}: {result.per_rank[bad[0]][i].verdict}"
+        else:
+            outcome = "ok: " + sc.verdict
+        rows.append((sc.name, sc.mode or "-", loss, norm, nonf, diff, rel, ranks, outcome))
+    lines = aligned(rows)
+    for name, nan in result.nan.items():
+        lines.append("")
+        lines.extend(_nan_text(name, nan, n))
+    lines.append("")
+    lines.append(_violations_text(result.report))
+    if result.compare is not None:
+        lines.append("")
+        lines.append(f"golden compare, first divergence: {result.compare}")
+    lines.append("")
+    bad_names = [name for name, good in result.ranks_ok.items() if len(good) < n]
+    verdict = (f"all four outcomes as described on every rank ({n} rank(s), FSDP{result.fsdp})"
+               if result.ok else "UNEXPECTED outcome(s): " + ", ".join(bad_names))
+    lines.append(f"{verdict}; wall time {result.wall_s:.2f} s on rank {result.rank}")
+    return "\n".join(lines)
+
+
+def _nan_text(name: str, nan: dict[str, Any], n: int) -> list[str]:
+    """The sentinel's findings of one run over the ranks: the first culprit in full (its module
+    path as the job names it, and without the wrappers), the ranks that saw it, and each rank's
+    first culprit with both paths side by side."""
+    first = nan["first"]
+    if first is None:
+        return [f"NaN sentinel, {name} run: silent on every rank "
+                f"({nan['calls']} guarded call(s) checked)"]
+    seen = nan["seen_by"]
+    missing = [r for r in range(n) if r not in seen]
+    lines = [f"NaN sentinel, {name} run: first culprit on rank {first['rank']}, seen by rank "
+             f"{_ranks_text(seen)}" + (f" (not rank {_ranks_text(missing)})" if missing
+                                       else " (every rank)")]
+    from ._dist import _event_message  # the sentinel's own wording, as report merge prints it
+
+    lines.extend("  " + ln for ln in _event_message(first).splitlines())
+    rows = [("ranks", "op", "direction", "module path in the job", "without wrappers")]
+    for g in nan["firsts"]:
+        e = g["event"]
+        op = e["op"] + (f" (backward of {e['backward_of']})" if e.get("backward_of") else "")
+        rows.append((_ranks_text(g["ranks"]), op, e["direction"], e.get("module") or "-",
+                     e.get("module_clean") or "-"))
+    lines.append("  the first culprit of each rank:")
+    lines.extend("    " + ln for ln in aligned(rows))
+    if nan["clean"]:
+        lines.append(f"  silent on rank {_ranks_text(nan['clean'])}")
+    return lines
+
+
+def _violations_text(report: dict[str, Any]) -> str:
+    from ._report import Report, table_lines
+
+    rep = Report.from_dict(report)
+    if not rep.records:
+        return "contract violations, every rank: none"
+    recs = sorted(rep.records, key=lambda r: (r.op, r.call_site, r.arg or "", r.mode))
+    head = (f"contract violations, every rank (opcontracts.report(gather=True)): {rep.total} at "
+            f"{len(recs)} site(s)")
+    return "\n".join([head, *("  " + ln for ln in table_lines(recs))])
+
+
+def _write_json(path: str, data: dict[str, Any]) -> None:
+    p = Path(path)
+    if p.parent != Path(""):
+        p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(data, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    print(f"results written to {p}")
 
 
 # --------------------------------------------------------------------------- command line
 def main(argv: Sequence[str] | None = None) -> int:
-    """``opcontracts demo [--json FILE] [--seed N] [--nan-check]`` (the options are defined
-    with the other subcommands in ``cli.py``)."""
+    """``opcontracts demo [--json FILE] [--seed N] [--nan-check] [--ranks N [--fsdp 1|2]]``
+    (the options are defined with the other subcommands in ``cli.py``)."""
     from .cli import build_parser
 
     return run(build_parser().parse_args(["demo", *(sys.argv[1:] if argv is None else argv)]))
@@ -434,8 +831,28 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run(ns: argparse.Namespace) -> int:
     """Run the demo from parsed arguments; the exit status (0: as described, 1: not, 2:
-    cannot run here)."""
+    cannot run here).  Under a launcher (``torchrun``: ``RANK`` and ``WORLD_SIZE`` set) this
+    process is one rank of the job and runs its part in place; with ``--ranks N`` it starts
+    the N processes itself; otherwise it runs the single-process demo."""
+    from ._demo_dist import under_launcher
+
+    ranks: int | None = getattr(ns, "ranks", None)
+    fsdp: int | None = getattr(ns, "fsdp", None)
+    world = under_launcher()
     try:
+        if world is not None:
+            if ranks is not None and ranks != world:
+                raise _CannotRun(f"--ranks {ranks}, but this process is one rank of a job of "
+                                 f"{world} (WORLD_SIZE): leave --ranks out under torchrun, or "
+                                 "make them agree")
+            return _as_rank(ns.seed, fsdp or 1, ns.json)
+        if ranks is not None:
+            if not 1 <= ranks <= MAX_RANKS:
+                raise _CannotRun(f"--ranks must be between 1 and {MAX_RANKS}, not {ranks}")
+            return _launch(ranks, fsdp or 1, ns.seed, ns.json)
+        if fsdp is not None:
+            raise _CannotRun("--fsdp shards the model over several ranks: give --ranks N too "
+                             "(or start the demo under torchrun)")
         result = run_demo(seed=ns.seed, nan_check=ns.nan_check)
     except _CannotRun as exc:
         print(f"opcontracts demo: {exc}", file=sys.stderr)
@@ -453,12 +870,7 @@ def run(ns: argparse.Namespace) -> int:
                                                           if not s.ok))
     print(f"{verdict}; wall time {result.wall_s:.2f} s")
     if ns.json:
-        path = Path(ns.json)
-        if path.parent != Path(""):
-            path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result.to_dict(), indent=2, allow_nan=False) + "\n",
-                        encoding="utf-8")
-        print(f"results written to {path}")
+        _write_json(ns.json, result.to_dict())
     return 0 if result.ok else 1
 
 

@@ -77,6 +77,7 @@ import torch
 from torch import nn
 
 from ._callsite import CallSite, find_call_site
+from ._modpath import clean as clean_module_path
 
 __all__ = [
     "NanEvent",
@@ -120,6 +121,12 @@ class NanEvent:
         return self.module + (f" ({self.module_type})" if self.module_type else "")
 
     @property
+    def module_clean(self) -> str | None:
+        """The module path without wrapper segments (``_modpath.clean``): under FSDP1,
+        ``_fsdp_wrapped_module.layers.2._fsdp_wrapped_module.mlp`` is ``layers.2.mlp``."""
+        return clean_module_path(self.module)
+
+    @property
     def what(self) -> str:
         if self.kind == "input_grad":
             return f"gradient of '{self.arg}'"
@@ -150,6 +157,8 @@ class NanEvent:
         ]
         if self.module is not None:
             lines.append(f"  module:    {self.module_label}")
+            if self.module_clean != self.module:
+                lines.append(f"  unwrapped: {self.module_clean} (wrapper segments removed)")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -158,6 +167,7 @@ class NanEvent:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["shape"] = list(self.shape)
+        d["module_clean"] = self.module_clean
         return d
 
 
