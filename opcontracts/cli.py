@@ -1,17 +1,24 @@
-"""The ``opcontracts`` command line: ``list``, ``env`` (and more subcommands as they land)."""
+"""The ``opcontracts`` command line: ``list``, ``env``, ``demo``, ``run``, ``report merge``.
+
+``list`` and ``env`` also speak JSON (``--json``) for scripts and CI; ``--version`` says which
+opcontracts this is.  Each subcommand is one ``add_parser`` in ``build_parser`` and one
+``_cmd_*`` function, imported lazily: ``opcontracts --version`` and ``env`` never import torch.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._versions import Env
     from .spec import Arg, Contract, When
 
-__all__ = ["main"]
+__all__ = ["main", "build_parser"]
 
 
 def _dt(names: Sequence[str]) -> str:
@@ -70,12 +77,12 @@ def _when_text(when: When) -> str:
     return ", ".join(out)
 
 
-def _target_status(target: str) -> str:
-    """Whether a target can be reached here, without importing anything: a module target whose
-    top-level package is not installed, or a ``torch.ops`` op not registered, is reported (the
-    patch would leave it pending; a job never fails on it)."""
+def _target_status(target: str) -> str | None:
+    """Whether a target can be reached here, without importing anything: ``"not installed
+    here"`` for a module target whose top-level package is not installed, ``"not registered
+    here"`` for a ``torch.ops`` op that is not (the patch would leave it pending; a job never
+    fails on it); None when it can be reached."""
     import importlib.util
-    import sys
 
     parts = target.split(".")
     if parts[:2] == ["torch", "ops"] and len(parts) == 4:
@@ -84,22 +91,22 @@ def _target_status(target: str) -> str:
         try:
             getattr(getattr(torch.ops, parts[2]), parts[3])
         except (AttributeError, RuntimeError):
-            return " (not registered here)"
-        return ""
+            return "not registered here"
+        return None
     if parts[0] in sys.modules:
-        return ""
+        return None
     try:
         found = importlib.util.find_spec(parts[0]) is not None
     except (ImportError, ValueError):
         found = False
-    return "" if found else " (not installed here)"
+    return None if found else "not installed here"
 
 
 def _print_contract(c: Contract, status: str, indent: str = "  ") -> None:
     print(f"{indent}[{status}]")
     if c.when is not None:
         print(f"{indent}  when:    {_when_text(c.when)}")
-    targets = [t + _target_status(t) for t in c.targets]
+    targets = [t + (f" ({why})" if (why := _target_status(t)) else "") for t in c.targets]
     print(f"{indent}  targets: {', '.join(targets) or '-'}")
     print(f"{indent}  source:  {c.source or '-'}")
     width = max((len(n) for n in c.args), default=0)
@@ -120,29 +127,70 @@ def _env_line(env: Env) -> str:
     return ", ".join(parts)
 
 
+_STATUS = {True: "applies", None: "may apply", False: "does not apply"}
+
+
+def _matches(op: str, pattern: str | None) -> bool:
+    """``list OP_PATTERN``: a glob (``fnmatch``: ``*``, ``?``, ``[...]``) when the pattern has
+    one of those, else a substring; either way case-insensitive, on the op name."""
+    if not pattern:
+        return True
+    import fnmatch
+
+    if any(ch in pattern for ch in "*?["):
+        return fnmatch.fnmatchcase(op.lower(), pattern.lower())
+    return pattern.lower() in op.lower()
+
+
+def _contract_paths() -> list[str]:
+    """The files and folders named in ``OPCONTRACTS_CONTRACTS`` (``os.pathsep``-separated, as
+    ``opcontracts.patch`` reads it)."""
+    raw = os.environ.get("OPCONTRACTS_CONTRACTS", "")
+    return [p.strip() for p in raw.split(os.pathsep) if p.strip()]
+
+
+def _load_for_list(extra: Sequence[str]) -> list[Contract]:
+    """Every contract a job would load: the shipped ones, the files of
+    ``OPCONTRACTS_CONTRACTS`` (loaded by the patch's own ``_user_contracts``: a bad file is
+    skipped with its warning, as in a job), then ``--contracts`` (a bad file is an error:
+    asked for by name on this command line)."""
+    from . import _registry
+    from .spec import load_contracts
+
+    _registry.load_shipped()
+    if _contract_paths():
+        # importing opcontracts.patch applies it in this short-lived process; nothing here
+        # calls a guarded op, and the loading is then exactly the one a job does
+        from .patch import _user_contracts
+
+        _registry.register(_user_contracts(), replace=True)
+    for path in extra:
+        _registry.register(load_contracts(path), replace=True)
+    return _registry.all_contracts()
+
+
 def _cmd_list(ns: argparse.Namespace) -> int:
     """Contracts grouped by op.  Per op: each contract with whether it applies here and why
     (``explain``), then, when several apply (a version is unknown, or a chip-specific table
-    adds to a version table), the strictest merge that is actually enforced."""
+    adds to a version table), the strictest merge that is actually enforced.  Exit status 1
+    when no op matches ``OP_PATTERN``."""
     from . import _registry, _versions
-    from .errors import OpContractsError
 
-    try:
-        _registry.load_shipped()
-        for path in ns.contracts or ():
-            from .spec import load_contracts
-
-            _registry.register(load_contracts(path), replace=True)
-    except OpContractsError as exc:
-        print(f"opcontracts: {exc}", file=sys.stderr)
-        return 2
+    contracts = _load_for_list(ns.contracts or ())
     env = _versions.current()
-    contracts = _registry.all_contracts()
     by_op: dict[str, list[Contract]] = {}
     for c in sorted(contracts, key=lambda c: (c.op, c.file or "")):
-        by_op.setdefault(c.op, []).append(c)
+        if _matches(c.op, ns.pattern):
+            by_op.setdefault(c.op, []).append(c)
     verdicts_by_op = {op: [(c, _versions.applies(c.when, env)) for c in lst]
                       for op, lst in by_op.items()}
+    if ns.json:
+        print(json.dumps(_list_json(ns, env, verdicts_by_op, len(contracts)), indent=2))
+        return 0 if by_op or not ns.pattern else 1
+    if not by_op and ns.pattern:
+        print(f"opcontracts list: no op matches {ns.pattern!r} ({len(contracts)} contract(s) "
+              "loaded; `opcontracts list` shows them all)", file=sys.stderr)
+        return 1
     print(f"environment: {_env_line(env)}")
     if any(ok is None for v in verdicts_by_op.values() for _, ok in v):
         print("  a version some contracts need is unknown: those contracts may apply and are "
@@ -158,7 +206,7 @@ def _cmd_list(ns: argparse.Namespace) -> int:
         for c, ok in visible:
             shown += 1
             why = _versions.explain(c.when, env)
-            status = {True: "applies", None: "may apply", False: "does not apply"}[ok]
+            status = _STATUS[ok]
             if c.when is not None:
                 status += f": {why}"
             _print_contract(c, status)
@@ -171,19 +219,112 @@ def _cmd_list(ns: argparse.Namespace) -> int:
                 for name, a in merged.args.items():
                     print(f"       {name:<{width}}  {_rules(a)}")
         print()
-    tail = f"{shown} contract(s) shown for {len(by_op)} op(s), {len(contracts)} loaded"
+    matched = f" matching {ns.pattern!r}" if ns.pattern else ""
+    tail = f"{shown} contract(s) shown for {len(by_op)} op(s){matched}, {len(contracts)} loaded"
     if hidden and not ns.all:
         tail += f"; {hidden} do not apply here (--all shows them and why)"
     print(tail)
     return 0
 
 
+def _arg_json(a: Arg) -> dict[str, Any]:
+    """An argument's rules as the contract file spells them (only the fields that are set),
+    and as ``list`` prints them."""
+    return {"rules": _rules(a),
+            "spec": a.model_dump(mode="json", by_alias=True, exclude_defaults=True)}
+
+
+def _list_json(ns: argparse.Namespace, env: Env,
+               verdicts_by_op: dict[str, list[tuple[Contract, bool | None]]],
+               loaded: int) -> dict[str, Any]:
+    """``list --json``: every contract that matches (``--all`` is implied: each says whether it
+    applies, ``true``/``null`` (may apply: a version is unknown)/``false``, and why), and per
+    op the merge that is enforced."""
+    from . import _registry, _versions
+
+    ops = []
+    for op, verdicts in verdicts_by_op.items():
+        items = []
+        for c, ok in verdicts:
+            items.append({
+                "applies": ok, "status": _STATUS[ok],
+                "why": _versions.explain(c.when, env) if c.when is not None else None,
+                "when": c.when.model_dump(mode="json", exclude_none=True) if c.when else None,
+                "file": c.file, "source": c.source,
+                "targets": [{"target": t, "unavailable": _target_status(t)} for t in c.targets],
+                "args": {name: _arg_json(a) for name, a in c.args.items()},
+            })
+        merged = _registry.resolve(op) if any(ok is not False for _, ok in verdicts) else None
+        ops.append({"op": op, "contracts": items,
+                    "enforced": {name: _arg_json(a) for name, a in merged.args.items()}
+                    if merged is not None else None})
+    return {
+        "environment": _env_json(env)["versions"],
+        "pattern": ns.pattern,
+        "contract_paths": _contract_paths() + list(ns.contracts or ()),
+        "loaded": loaded,
+        "ops": ops,
+    }
+
+
+def _mode_info() -> dict[str, Any]:
+    """The mode a guarded call gets here, and where it comes from; a bad ``OPCONTRACTS_MODE``
+    is shown as such (``error``), not taken for the default."""
+    raw = os.environ.get("OPCONTRACTS_MODE")
+    info: dict[str, Any] = {"mode": None, "by_op": {}, "OPCONTRACTS_MODE": raw, "error": None}
+    try:
+        from . import _modes
+
+        if raw and raw.strip():
+            _modes.parse_mode(raw, where="OPCONTRACTS_MODE")
+        state = _modes.current_state()
+    except Exception as exc:  # noqa: BLE001 - env is where a bad setting must be visible
+        info["error"] = str(exc)
+        return info
+    info["mode"] = state.default.value
+    info["by_op"] = {op: m.value for op, m in state.by_op.items()}
+    return info
+
+
+def _env_json(env: Env) -> dict[str, Any]:
+    from . import __version__, _versions
+
+    versions = {}
+    for (name, shown, origin) in _versions.rows(env):
+        versions[name] = {"value": getattr(env, name), "shown": shown, "origin": origin,
+                          "emulated": name in env.emulated}
+    paths = [{"path": p, "kind": "folder" if os.path.isdir(p) else
+              "file" if os.path.isfile(p) else "not found"} for p in _contract_paths()]
+    settings = {k: v for k, v in sorted(os.environ.items()) if k.startswith("OPCONTRACTS_")}
+    return {"opcontracts": __version__, "versions": versions, "mode": _mode_info(),
+            "contract_paths": paths, "settings": settings}
+
+
 def _cmd_env(ns: argparse.Namespace) -> int:
     """The versions that decide which contracts apply, and where each was found, so a wrong
-    guess (a stand-in, a stale ``ASCEND_TOOLKIT_HOME``) is visible."""
+    guess (a stand-in, a stale ``ASCEND_TOOLKIT_HOME``) is visible; the mode and the extra
+    contract files.  Exit status 2 when ``OPCONTRACTS_MODE`` is not a mode."""
     from . import _versions
 
+    data = _env_json(_versions.current())
+    mode = data["mode"]
+    status = 2 if mode["error"] else 0
+    if ns.json:
+        print(json.dumps(data, indent=2))
+        return status
     rows = _versions.rows(_versions.current())
+    if mode["error"]:
+        rows.append(("mode", "invalid", mode["error"]))
+    else:
+        origin = ("$OPCONTRACTS_MODE" if (mode["OPCONTRACTS_MODE"] or "").strip()
+                  else "default (OPCONTRACTS_MODE not set)")
+        if mode["by_op"]:
+            origin += "; per op: " + ", ".join(f"{k}={v}" for k, v in mode["by_op"].items())
+        rows.append(("mode", mode["mode"], origin))
+    for p in data["contract_paths"]:
+        rows.append(("contracts", p["path"], f"$OPCONTRACTS_CONTRACTS ({p['kind']})"))
+    if not data["contract_paths"]:
+        rows.append(("contracts", "-", "shipped only (OPCONTRACTS_CONTRACTS not set)"))
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows)
     for name, value, origin in rows:
@@ -191,7 +332,7 @@ def _cmd_env(ns: argparse.Namespace) -> int:
     print()
     print("Overrides: OPCONTRACTS_TORCH_NPU_VERSION, OPCONTRACTS_CANN_VERSION, "
           "OPCONTRACTS_MINDSPEED_VERSION, OPCONTRACTS_SOC, or opcontracts.set_versions(...).")
-    return 0
+    return status
 
 
 def _cmd_report_merge(ns: argparse.Namespace) -> int:
@@ -216,14 +357,27 @@ def _cmd_run(ns: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The parser; one ``add_parser`` (or one call adding a subcommand) per line of commands."""
+    from . import __version__
+
     p = argparse.ArgumentParser(prog="opcontracts",
                                 description="Contracts for custom accelerator operators.")
+    p.add_argument("--version", action="version", version=f"opcontracts {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
-    pl = sub.add_parser("list", help="show the contracts that apply here")
+    pl = sub.add_parser("list", help="show the contracts that apply here",
+                        description="The contracts that apply here (shipped, "
+                        "OPCONTRACTS_CONTRACTS, --contracts), per op, and the merge enforced.")
+    pl.add_argument("pattern", nargs="?", metavar="OP_PATTERN",
+                    help="only ops matching it: a glob (fnmatch) when it has *, ? or [, "
+                    "otherwise a substring; case-insensitive")
     pl.add_argument("--all", action="store_true", help="also those that do not apply, and why")
     pl.add_argument("--contracts", action="append", help="extra contract file or folder")
+    pl.add_argument("--json", action="store_true",
+                    help="print JSON (every matching contract, each with whether it applies)")
     pl.set_defaults(func=_cmd_list)
-    pe = sub.add_parser("env", help="show detected torch_npu / CANN / MindSpeed versions")
+    pe = sub.add_parser("env", help="show detected torch_npu / CANN / MindSpeed versions, the "
+                        "mode and the extra contract files")
+    pe.add_argument("--json", action="store_true", help="print JSON")
     pe.set_defaults(func=_cmd_env)
     pd = sub.add_parser("demo", help="reproduce the first-step NaN of the incident, catch it, "
                         "fix it (CPU emulation)",
@@ -264,9 +418,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from .errors import OpContractsError
+
     ns = build_parser().parse_args(argv)
     try:
         return int(ns.func(ns))
+    except OpContractsError as exc:  # a bad file or setting: its message names it
+        print(f"opcontracts {ns.command}: {exc}", file=sys.stderr)
+        return 2
     except BrokenPipeError:  # `opcontracts list | head`: the reader left, nothing to report
         import os
 
