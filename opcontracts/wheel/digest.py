@@ -1,0 +1,402 @@
+"""The digest: what the wheel tools need from each torch_npu release, compact and offline.
+
+``opcontracts wheel digest WHEEL... -o FILE`` reads real wheels and writes it; the package ships
+one (``opcontracts/wheel/torch_npu_digest.json.gz``), so verify, draft and diff run without the
+network and the tests check every shipped contract against it.
+
+Library API (for other parts of opcontracts and for users)::
+
+    from opcontracts.wheel import digest
+    d = digest.load()                      # the committed digest (or digest.load("my.json.gz"))
+    d.versions                             # ['2.5.1', ..., '2.14.0'], in version order
+    r = d.release("2.14.0")                # one release (KeyError naming the known ones)
+    r.schemas                              # op -> [OpSchema, ...]: the default overload first
+    r.schema("npu_moe_token_unpermute")    # the default overload's OpSchema, or None
+    r.docs["npu_rms_norm"].args["self"].dtypes   # ('float16', 'bfloat16', 'float32')
+    r.meta["npu_moe_token_permute"].ranks        # {'tokens': (2,), 'indices': (1, 2)}
+    r.bound("npu_swiglu")                  # torch_npu.npu_swiglu is bound to torch.ops.npu
+    digest.op_schemas("2.14.0")            # shortcut: op -> [OpSchema, ...] of one release
+    d.groups("docs")                       # {file id: [versions shipping it byte-identical]}
+
+``OpSchema`` (``opcontracts.wheel._schema``) has ``name``, ``overload``, ``params`` (each a
+``Param`` with ``name``, ``type``, ``default``, ``kw_only``, ``nullable``, ``is_list``,
+``is_tensor``), ``returns`` and ``func`` (the schema string, ready for ``torch.library``).
+A release may be named by its version or by a file id of ``groups()`` (then the first release
+of that group).  Nothing here imports torch or torch_npu.
+
+Format (gzip'd JSON, keys sorted, gzip header without a time stamp, so the same wheels give the
+same bytes): ``versions`` maps each release to the content ids of its four files (and the torch
+it pins); ``schema``/``docs``/``meta``/``bindings`` map ids to the parsed content, by index into
+two pools (``funcs``: schema strings; ``entries``: parsed per-op records), so what several
+releases share is stored once.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from functools import cached_property, lru_cache
+from pathlib import Path
+from typing import Any
+
+from ._bindings import parse_bindings
+from ._docs import OpDoc, parse_docs
+from ._meta import MetaKernel, parse_meta
+from ._schema import OpSchema, by_op, custom_funcs, default_schemas
+from ._source import WheelFiles, file_id
+
+__all__ = ["Digest", "Release", "DigestError", "build", "load", "save", "dumps", "loads",
+           "compare", "op_schemas", "default_path", "FORMAT"]
+
+FORMAT = 1
+
+
+class DigestError(ValueError):
+    """A digest file that cannot be read (names the file and what is wrong)."""
+
+
+def default_path() -> Path:
+    """The digest shipped inside the package."""
+    return Path(__file__).resolve().parent / "torch_npu_digest.json.gz"
+
+
+def _json_id(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, ensure_ascii=False,
+                                     separators=(",", ":")).encode("utf-8")).hexdigest()[:12]
+
+
+# --------------------------------------------------------------------------- build
+def build(wheels: Iterable[WheelFiles]) -> dict[str, Any]:
+    """The digest of ``wheels`` as a JSON-able dict (see the module docstring for the layout)."""
+    funcs: list[str] = []
+    func_index: dict[str, int] = {}
+    entries: list[Any] = []
+    entry_index: dict[str, int] = {}
+
+    def func_ref(f: str) -> int:
+        if f not in func_index:
+            func_index[f] = len(funcs)
+            funcs.append(f)
+        return func_index[f]
+
+    def entry_ref(obj: Any) -> int:
+        key = json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+        if key not in entry_index:
+            entry_index[key] = len(entries)
+            entries.append(obj)
+        return entry_index[key]
+
+    versions: dict[str, Any] = {}
+    schema_g: dict[str, list[int]] = {}
+    docs_g: dict[str, dict[str, int]] = {}
+    meta_g: dict[str, dict[str, int]] = {}
+    bind_g: dict[str, list[str]] = {}
+    parsed_schemas: dict[str, dict[str, OpSchema]] = {}
+    for w in wheels:
+        rec: dict[str, Any] = {"torch": w.torch, "files": {}}
+        missing = [r for r in ("schema", "docs", "meta", "bindings") if r not in w.files]
+        if missing:
+            rec["missing"] = missing
+        if "schema" in w.files:
+            sid = file_id(w.files["schema"])
+            rec["schema"] = sid
+            if sid not in schema_g:
+                fl = custom_funcs(w.text("schema") or "")
+                schema_g[sid] = [func_ref(f) for f in fl]
+                parsed_schemas[sid] = default_schemas(fl)
+        if "docs" in w.files:
+            did = file_id(w.files["docs"])
+            rec["files"]["docs"] = did
+            key = did + "+" + rec.get("schema", "")
+            rec["docs"] = key
+            if key not in docs_g:
+                docs = parse_docs(w.text("docs") or "", parsed_schemas.get(rec.get("schema", ""), {}))
+                docs_g[key] = {op: entry_ref(d.to_json()) for op, d in docs.items()}
+        if "meta" in w.files:
+            mid = file_id(w.files["meta"])
+            rec["meta"] = mid
+            if mid not in meta_g:
+                meta = parse_meta(w.text("meta") or "")
+                meta_g[mid] = {op: entry_ref(k.to_json()) for op, k in meta.items()}
+        if "bindings" in w.files:
+            names = sorted(parse_bindings(w.text("bindings") or ""))
+            bid = _json_id(names)
+            rec["bindings"] = bid
+            bind_g.setdefault(bid, names)
+        if "schema" in rec:
+            rec["files"]["schema"] = rec["schema"]
+        if "meta" in rec:
+            rec["files"]["meta"] = rec["meta"]
+        versions[w.version] = rec
+    return {"format": FORMAT, "tool": "opcontracts wheel digest", "versions": versions,
+            "schema": schema_g, "docs": docs_g, "meta": meta_g, "bindings": bind_g,
+            "funcs": funcs, "entries": entries}
+
+
+def dumps(data: dict[str, Any]) -> bytes:
+    """Deterministic gzip'd JSON (no time stamp, keys sorted)."""
+    raw = json.dumps(data, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode()
+    buf = io.BytesIO()
+    with gzip.GzipFile(fileobj=buf, mode="wb", mtime=0, filename="", compresslevel=9) as gz:
+        gz.write(raw)
+    return buf.getvalue()
+
+
+def save(data: dict[str, Any], path: str | Path) -> int:
+    """Write the digest; returns its size in bytes."""
+    blob = dumps(data)
+    Path(path).write_bytes(blob)
+    return len(blob)
+
+
+def loads(blob: bytes, origin: str = "<bytes>") -> dict[str, Any]:
+    try:
+        raw = gzip.decompress(blob) if blob[:2] == b"\x1f\x8b" else blob
+        data = json.loads(raw.decode("utf-8"))
+    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DigestError(f"{origin}: not a digest (gzip'd JSON): {exc}") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise DigestError(f"{origin}: digest format {data.get('format') if isinstance(data, dict) else '?'}"
+                          f", expected {FORMAT} (regenerate it with `opcontracts wheel digest`)")
+    for key in ("versions", "schema", "docs", "meta", "bindings", "funcs", "entries"):
+        if key not in data:
+            raise DigestError(f"{origin}: field {key!r} missing")
+    return data
+
+
+# --------------------------------------------------------------------------- read
+@dataclass
+class Release:
+    """One torch_npu release as the digest knows it (parsed on first use)."""
+
+    version: str
+    data: dict[str, Any] = field(repr=False)
+    torch: str | None = None
+
+    @property
+    def rec(self) -> dict[str, Any]:
+        return dict(self.data["versions"][self.version])
+
+    def file_id(self, role: str) -> str | None:
+        """Content id of one of the release's files (``schema``, ``docs``, ``meta``)."""
+        return self.rec.get("files", {}).get(role)
+
+    @cached_property
+    def schemas(self) -> dict[str, list[OpSchema]]:
+        sid = self.rec.get("schema")
+        if sid is None:
+            return {}
+        funcs = self.data["funcs"]
+        return by_op([funcs[i] for i in self.data["schema"][sid]])
+
+    def schema(self, op: str) -> OpSchema | None:
+        lst = self.schemas.get(op)
+        return lst[0] if lst else None
+
+    @cached_property
+    def docs(self) -> dict[str, OpDoc]:
+        key = self.rec.get("docs")
+        if key is None:
+            return {}
+        entries = self.data["entries"]
+        return {op: OpDoc.from_json(op, entries[i]) for op, i in self.data["docs"][key].items()}
+
+    @cached_property
+    def meta(self) -> dict[str, MetaKernel]:
+        mid = self.rec.get("meta")
+        if mid is None:
+            return {}
+        entries = self.data["entries"]
+        return {op: MetaKernel.from_json(op, entries[i]) for op, i in self.data["meta"][mid].items()}
+
+    @cached_property
+    def bindings(self) -> frozenset[str]:
+        bid = self.rec.get("bindings")
+        return frozenset(self.data["bindings"].get(bid, ())) if bid else frozenset()
+
+    def bound(self, name: str) -> bool:
+        """Whether ``torch_npu.<name>`` is bound to ``torch.ops.npu.<name>`` in this release."""
+        return name in self.bindings
+
+    def meta_ranks(self, op: str) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
+        """(ranks, conditional ranks) of the meta kernel, by the schema's argument names (the
+        kernel's own parameter names map to the schema's by position)."""
+        k, s = self.meta.get(op), self.schema(op)
+        if k is None:
+            return {}, {}
+        names = dict(zip(k.params, s.names)) if s is not None else {}
+        return ({names.get(a, a): r for a, r in k.ranks.items()},
+                {names.get(a, a): r for a, r in k.cond_ranks.items()})
+
+    def meta_dtypes(self, op: str) -> dict[str, tuple[str, ...]]:
+        k, s = self.meta.get(op), self.schema(op)
+        if k is None:
+            return {}
+        names = dict(zip(k.params, s.names)) if s is not None else {}
+        return {names.get(a, a): d for a, d in k.dtypes.items()}
+
+    def meta_outputs(self, op: str) -> list[str | None]:
+        """Per output of the meta kernel: ``float32``, ``same as <schema arg>`` or None."""
+        k, s = self.meta.get(op), self.schema(op)
+        if k is None:
+            return []
+        names = dict(zip(k.params, s.names)) if s is not None else {}
+        out: list[str | None] = []
+        for o in k.outputs:
+            if o and o.startswith("same as "):
+                a = o[len("same as "):]
+                out.append("same as " + names.get(a, a))
+            else:
+                out.append(o)
+        return out
+
+
+class Digest:
+    """A loaded digest: releases by version, and which releases share which file."""
+
+    def __init__(self, data: dict[str, Any], origin: str = "<digest>") -> None:
+        from packaging.version import Version
+
+        self.data = data
+        self.origin = origin
+        self.versions: list[str] = sorted(data["versions"], key=Version)
+        self._releases: dict[str, Release] = {}
+
+    def release(self, name: str) -> Release:
+        """A release by version (``2.7.1.post11``), or the first release of a file id."""
+        v = name.strip()
+        if v not in self.data["versions"]:
+            by_id = [ver for ver in self.versions
+                     if v in self.data["versions"][ver].get("files", {}).values()]
+            if not by_id:
+                raise KeyError(f"torch_npu {name!r} is not in the digest {self.origin}; it has "
+                               + ", ".join(self.versions))
+            v = by_id[0]
+        if v not in self._releases:
+            rec = self.data["versions"][v]
+            self._releases[v] = Release(v, self.data, rec.get("torch"))
+        return self._releases[v]
+
+    def groups(self, role: str = "docs") -> dict[str, list[str]]:
+        """file id -> the releases whose ``role`` file (``docs``, ``schema``, ``meta``) is
+        byte-identical, in version order."""
+        out: dict[str, list[str]] = {}
+        for v in self.versions:
+            fid = self.data["versions"][v].get("files", {}).get(role)
+            if fid is not None:
+                out.setdefault(fid, []).append(v)
+        return out
+
+    def restrict(self, versions: Iterable[str]) -> dict[str, Any]:
+        """The digest data of these releases only, as ``build`` would make it from their wheels
+        (so a digest of a subset of the wheels can be compared with this one)."""
+        keep = [v for v in self.versions if v in set(versions)]
+        full = Digest(self.data, self.origin)
+        rebuilt: dict[str, Any] = {"format": FORMAT, "tool": self.data.get("tool"),
+                                   "versions": {}, "schema": {}, "docs": {}, "meta": {},
+                                   "bindings": {}, "funcs": [], "entries": []}
+        funcs: dict[str, int] = {}
+        entries: dict[str, int] = {}
+
+        def fref(f: str) -> int:
+            if f not in funcs:
+                funcs[f] = len(rebuilt["funcs"])
+                rebuilt["funcs"].append(f)
+            return funcs[f]
+
+        def eref(obj: Any) -> int:
+            key = json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+            if key not in entries:
+                entries[key] = len(rebuilt["entries"])
+                rebuilt["entries"].append(obj)
+            return entries[key]
+
+        src_f, src_e = self.data["funcs"], self.data["entries"]
+        for v in keep:
+            rec = full.data["versions"][v]
+            rebuilt["versions"][v] = rec
+            if "schema" in rec and rec["schema"] not in rebuilt["schema"]:
+                rebuilt["schema"][rec["schema"]] = [fref(src_f[i]) for i in
+                                                    self.data["schema"][rec["schema"]]]
+            if "docs" in rec and rec["docs"] not in rebuilt["docs"]:
+                rebuilt["docs"][rec["docs"]] = {op: eref(src_e[i]) for op, i in
+                                                self.data["docs"][rec["docs"]].items()}
+            if "meta" in rec and rec["meta"] not in rebuilt["meta"]:
+                rebuilt["meta"][rec["meta"]] = {op: eref(src_e[i]) for op, i in
+                                                self.data["meta"][rec["meta"]].items()}
+            if "bindings" in rec:
+                rebuilt["bindings"].setdefault(rec["bindings"],
+                                               self.data["bindings"][rec["bindings"]])
+        return rebuilt
+
+
+def load(path: str | Path | None = None) -> Digest:
+    """A digest file (default: the one shipped in the package)."""
+    p = Path(path) if path is not None else default_path()
+    if path is None:
+        return _load_default()
+    try:
+        blob = p.read_bytes()
+    except OSError as exc:
+        raise DigestError(f"{p}: cannot read: {exc}") from None
+    return Digest(loads(blob, str(p)), str(p))
+
+
+@lru_cache(maxsize=1)
+def _load_default() -> Digest:
+    p = default_path()
+    try:
+        blob = p.read_bytes()
+    except OSError as exc:
+        raise DigestError(f"{p}: the shipped digest cannot be read: {exc}") from None
+    return Digest(loads(blob, str(p)), str(p))
+
+
+def op_schemas(version: str, digest: Digest | None = None) -> dict[str, list[OpSchema]]:
+    """op -> its overloads (default first) in one torch_npu release of the digest."""
+    return (digest or load()).release(version).schemas
+
+
+def _semantic(data: dict[str, Any]) -> dict[str, Any]:
+    """The digest's content with pool indices resolved (pool order is an encoding detail)."""
+    f, e = data["funcs"], data["entries"]
+    return {
+        "versions": data["versions"],
+        "schema": {k: [f[i] for i in v] for k, v in data["schema"].items()},
+        "docs": {k: {op: e[i] for op, i in v.items()} for k, v in data["docs"].items()},
+        "meta": {k: {op: e[i] for op, i in v.items()} for k, v in data["meta"].items()},
+        "bindings": data["bindings"],
+    }
+
+
+def compare(a: dict[str, Any], b: dict[str, Any], limit: int = 20) -> list[str]:
+    """What differs between two digests' content (empty when they say the same): versions,
+    then per group and op."""
+    sa, sb = _semantic(a), _semantic(b)
+    out: list[str] = []
+    va, vb = set(sa["versions"]), set(sb["versions"])
+    for v in sorted(va - vb):
+        out.append(f"version {v} only in the first")
+    for v in sorted(vb - va):
+        out.append(f"version {v} only in the second")
+    for v in sorted(va & vb):
+        if sa["versions"][v] != sb["versions"][v]:
+            out.append(f"version {v}: files differ ({sa['versions'][v]} vs {sb['versions'][v]})")
+    for part in ("schema", "docs", "meta", "bindings"):
+        ga, gb = sa[part], sb[part]
+        for k in sorted(set(ga) & set(gb)):
+            if ga[k] == gb[k]:
+                continue
+            if isinstance(ga[k], dict):
+                for op in sorted(set(ga[k]) | set(gb[k])):
+                    if ga[k].get(op) != gb[k].get(op):
+                        out.append(f"{part} {k}: {op} differs")
+            else:
+                out.append(f"{part} {k} differs")
+        for k in sorted(set(ga) ^ set(gb)):
+            out.append(f"{part} {k} only in the {'first' if k in ga else 'second'}")
+    return out[:limit] + ([f"... and {len(out) - limit} more"] if len(out) > limit else [])
