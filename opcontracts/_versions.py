@@ -199,7 +199,7 @@ def _conditions(when: When | dict[str, Any]) -> list[tuple[str, Any]]:
     """The set conditions of a ``When`` model or of a raw ``when`` table from a file (the patch
     reads shipped files without building pydantic models)."""
     if isinstance(when, dict):
-        out = []
+        out: list[tuple[str, Any]] = []
         for name in FIELDS:
             v = when.get(name)
             if v is not None:
@@ -269,7 +269,9 @@ def explain(when: When | None, env: Env) -> str:
             what = "unknown" if not have else f"{have!r} is not a version"
             unknown.append(f"{name} {what} (needed for {text}" + (f"; set {var})" if var else ")"))
         elif satisfies(v, cond):
-            met.append(f"{name} {shown} meets {cond}")
+            # of alternatives ("a || b"), name the one that holds: the list can be long
+            alt = next((a.strip() for a in cond.split("||") if satisfies(v, a.strip())), cond)
+            met.append(f"{name} {shown} meets {alt}")
         else:
             failed.append(f"needs {text}, found {shown}")
     return "; ".join(failed or unknown or met) or "no version conditions"

@@ -474,14 +474,16 @@ def test_wrong_rank_is_reported_naming_the_argument(contract: Contract, name: st
 
 # --------------------------------------------------------------------------- documented violations
 def _only(op: str, **when: str) -> Contract:
-    """The shipped contract for ``op`` whose ``when`` has exactly these conditions."""
-    found = [c for c in SHIPPED if c.op == op
-             and (c.when.model_dump(exclude_none=True) if c.when else {}) == when]
+    """The one shipped contract for ``op`` whose ``when`` has these conditions (and maybe
+    others: the torch_npu ranges follow the wheels and are long lists)."""
+    found = [c for c in SHIPPED if c.op == op and all(
+        (c.when.model_dump(exclude_none=True) if c.when else {}).get(k) == v
+        for k, v in when.items())]
     assert len(found) == 1, (op, when)
     return found[0]
 
 
-UNPERMUTE_WIDE = _only("npu_moe_token_unpermute", torch_npu=">=2.13", cann=">=8.0.0")
+UNPERMUTE_WIDE = _only("npu_moe_token_unpermute", cann=">=8.0.0")
 UNPERMUTE_OLD = _only("npu_moe_token_unpermute", cann="<8.0.0")
 
 
@@ -520,7 +522,7 @@ def test_index_widths() -> None:
     old_permute = _only("npu_moe_token_permute", cann="<8.0.0")
     exc = _violation(old_permute, _randn(N, H, dtype=BF16), _experts(N, K, torch.int32))
     assert (exc.arg, exc.rule) == ("indices", "dtype") and "int64" in exc.expected
-    wide_permute = _only("npu_moe_token_permute", torch_npu=">=2.13", cann=">=8.0.0")
+    wide_permute = _only("npu_moe_token_permute", cann=">=8.0.0")
     opcontracts.check(wide_permute, _randn(N, H, dtype=BF16), _experts(N, K, torch.int32))
 
 
@@ -707,7 +709,9 @@ def test_cli_list_shows_what_applies() -> None:
     assert "targets: torch_npu.npu_moe_token_unpermute" in out
     assert "probs            bf16/fp16/fp32, (N K), optional" in out
     assert "[applies: torch_npu 2.13.0 meets >=2.13; cann 8.0.0 meets >=8.0.0]" in out
-    assert "source:  torch_npu 2.13.0 wheel, torch_npu/_op_plugin_docs.py (npu_moe_token_unpermute)" in out
+    assert ("source:  torch_npu 2.7.1.post11, 2.9.0.post9, 2.10.0.post7, 2.11.0.post3, "
+            "2.12.0.post3, 2.13.0 and 2.14.0 wheels (byte-identical docs), "
+            "torch_npu/_op_plugin_docs.py (npu_moe_token_unpermute)") in out
     assert "does not apply" not in out
     assert "(--all shows them and why)" in out
 
@@ -716,9 +720,11 @@ def test_cli_list_all_explains_what_does_not_apply() -> None:
     opcontracts.set_versions(torch_npu="2.13.0", cann="8.0.RC3", soc="Ascend950")
     out = _cli("list", "--all")
     assert "[does not apply: needs cann >=8.0.0, found 8.0.RC3 (= 8.0rc3)]" in out
-    assert "[does not apply: needs torch_npu <2.13, found 2.13.0]" in out
+    # the bf16 tables speak for the releases that ship the old docs (the wheels say which)
+    assert "[does not apply: needs torch_npu >=2.5.1.post1,<2.7.1.post11 || " in out
+    assert "|| >=2.12.1,<2.13, found 2.13.0]" in out
     assert "[does not apply: needs soc Ascend910B or Ascend910_93, found Ascend950]" in out
-    assert "[applies: cann 8.0.RC3 (= 8.0rc3) meets <8.0.0]" in out
+    assert "[applies: torch_npu 2.13.0 meets >=2.5.1.post1; cann 8.0.RC3 (= 8.0rc3) meets <8.0.0]" in out
     shown = out.count("\n  [")
     assert f"{shown} contract(s) shown" in out and shown == len(SHIPPED)
 
@@ -726,7 +732,9 @@ def test_cli_list_all_explains_what_does_not_apply() -> None:
 def test_cli_list_shows_the_strictest_merge_when_versions_are_unknown() -> None:
     opcontracts.set_versions(torch_npu="unknown", cann="unknown", soc="unknown")
     out = _cli("list")
-    assert "[may apply: cann unknown (needed for cann <8.0.0; set OPCONTRACTS_CANN_VERSION)]" in out
+    assert ("[may apply: torch_npu unknown (needed for torch_npu >=2.5.1.post1; set "
+            "OPCONTRACTS_TORCH_NPU_VERSION); cann unknown (needed for cann <8.0.0; set "
+            "OPCONTRACTS_CANN_VERSION)]") in out
     block = out.split("\nnpu_moe_token_unpermute\n")[1].split("\n\n")[0]
     assert "=> enforced: the strictest merge of these 4 contracts" in block
     merged = block.split("=> enforced")[1]

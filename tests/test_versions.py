@@ -378,6 +378,15 @@ def test_shipped_unpermute_depends_on_versions(shipped: None) -> None:
         ({"torch_npu": "2.13.0", "cann": "8.0.0"}, ("bfloat16", "float16", "float32")),
         ({"torch_npu": "2.13.0", "cann": "8.0.RC3"}, ("bfloat16",)),
         ({"torch_npu": "2.7.1", "cann": "8.0.0"}, ("bfloat16",)),
+        # the wheels, not the version numbers, say which doc a release ships: these post
+        # releases ship the 2.13 docs, the releases after them in their lines the old ones
+        ({"torch_npu": "2.7.1.post11", "cann": "8.0.0"}, ("bfloat16", "float16", "float32")),
+        ({"torch_npu": "2.9.0.post9", "cann": "8.0.0"}, ("bfloat16", "float16", "float32")),
+        ({"torch_npu": "2.12.0.post3", "cann": "8.0.0"}, ("bfloat16", "float16", "float32")),
+        ({"torch_npu": "2.7.1.post10", "cann": "8.0.0"}, ("bfloat16",)),
+        ({"torch_npu": "2.9.1", "cann": "8.0.0"}, ("bfloat16",)),
+        ({"torch_npu": "2.12.0", "cann": "8.0.0"}, ("bfloat16",)),
+        ({"torch_npu": "2.12.0.post3", "cann": "8.0.RC3"}, ("bfloat16",)),
     ]
     for pins, probs in cases:
         opcontracts.set_versions(**{"torch_npu": None, "cann": None, **pins})

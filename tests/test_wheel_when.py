@@ -37,7 +37,11 @@ def test_explain_names_every_alternative() -> None:
     w = When(torch_npu=WIDE, cann=">=8.0.0")
     text = explain(w, Env(torch_npu="2.9.1", cann="8.0.0"))
     assert text == "needs torch_npu >=2.13 || >=2.7.1.post11,<2.8 || >=2.9.0.post9,<2.9.1, found 2.9.1"
-    assert "meets >=2.13 || " in explain(w, Env(torch_npu="2.14.0", cann="8.0.0"))
+    # met: only the alternative that holds is named
+    assert explain(w, Env(torch_npu="2.14.0", cann="8.0.0")) == \
+        "torch_npu 2.14.0 meets >=2.13; cann 8.0.0 meets >=8.0.0"
+    assert explain(w, Env(torch_npu="2.9.0.post9", cann="8.0.0")).startswith(
+        "torch_npu 2.9.0.post9 meets >=2.9.0.post9,<2.9.1;")
     assert applies(w, Env(torch_npu="2.14.0")) is None  # CANN unknown
 
 
