@@ -6,6 +6,7 @@ import inspect
 import json
 import pickle
 import warnings
+from pathlib import Path
 from typing import Annotated
 
 import pytest
@@ -109,3 +110,68 @@ def test_merge_reports_lists_ranks():
     b = _report.Report([_report.Record("op", "p", "dtype", "s", "warn", 3, "m", 0, [1])], 0, 3)
     m = _report.merge_reports([a, b])
     assert m.records[0].count == 5 and m.records[0].ranks == [0, 1] and m.total == 5
+
+
+# --------------------------------------------------------------------------- JSON for tools
+META_KEYS = {"opcontracts", "torch", "torch_npu", "cann", "mindspeed", "soc", "emulated", "mode",
+             "mode_by_op", "argv", "host", "pid", "rank", "time"}
+
+
+def test_json_reports_carry_metadata(tmp_path, monkeypatch):
+    import sys
+    from datetime import datetime
+
+    monkeypatch.setenv("OPCONTRACTS_CANN_VERSION", "8.0.RC3")
+    opcontracts.set_versions()
+    try:
+        opcontracts.set_mode("strict")
+        opcontracts.set_mode("off", op="noisy_op")
+        _report.record("op", "p", "dtype", "s", "strict", "m", expected="bfloat16",
+                       got="dtype float32 (shape (4, 2))")
+        path = _report.write_report(str(tmp_path / "r.json"))
+    finally:
+        monkeypatch.delenv("OPCONTRACTS_CANN_VERSION")
+        opcontracts.set_versions()
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    meta = data["metadata"]
+    assert set(meta) == META_KEYS
+    assert (meta["opcontracts"], meta["cann"], meta["mode"], meta["mode_by_op"]) == (
+        opcontracts.__version__, "8.0.RC3", "strict", {"noisy_op": "off"})
+    assert meta["torch"] == torch.__version__ and meta["argv"] == sys.argv
+    assert meta["rank"] is None and meta["host"]
+    assert datetime.fromisoformat(meta["time"]).tzinfo is not None  # UTC, with its offset
+    rec = data["records"][0]
+    assert (rec["expected"], rec["got"]) == ("bfloat16", "dtype float32 (shape (4, 2))")
+    # read back: the metadata stays the file's, not the reader's
+    rep = _report.load_report(path)
+    assert rep.metadata == meta and rep.to_dict()["metadata"] == meta
+    assert (rep.records[0].expected, rep.records[0].got) == (rec["expected"], rec["got"])
+    # a live snapshot says where it is, when it is written
+    assert set(opcontracts.report().to_dict()["metadata"]) == META_KEYS
+
+
+def test_from_dict_rejects_what_is_not_a_report():
+    with pytest.raises(ValueError, match=r"not an opcontracts report: no 'records' list"):
+        opcontracts.Report.from_dict({"a": 1})
+    with pytest.raises(ValueError, match=r"records\[0\]: no 'message' field"):
+        opcontracts.Report.from_dict({"records": [{"op": "o", "arg": None, "rule": "dtype",
+                                                   "call_site": "s", "mode": "warn",
+                                                   "count": 1}]})
+    # fields a newer opcontracts adds are ignored, not an error
+    rep = opcontracts.Report.from_dict({"records": [
+        {"op": "o", "arg": None, "rule": "dtype", "call_site": "s", "mode": "warn", "count": 1,
+         "message": "m", "from_the_future": 1}], "extra": {}})
+    assert rep.records[0].op == "o" and rep.records[0].expected is None
+
+
+@pytest.mark.xfail(strict=True, reason="needs _enforce._record_and_message to pass "
+                   "expected=/got= to record() (the lead's file; see the report)")
+def test_records_of_guarded_calls_have_expected_and_got():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rms_norm(torch.ones(2, 8), torch.ones(8))
+    [rec] = opcontracts.report().records
+    # the message's "expected:" and "got:" lines, as fields
+    assert rec.expected == "bfloat16 or float16"
+    assert rec.got == "dtype float32 (shape (2, 8))"
+    assert json.loads(opcontracts.report().to_json())["records"][0]["got"] == rec.got
