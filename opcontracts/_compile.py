@@ -316,7 +316,8 @@ class _Gen:
             self.emit(ind, f"if not {val}.is_contiguous(): {self.fail(rid, val, idx)}")
         self.shape_checks(ind, arg, spec, val, idx, definite)
         if spec.numel_lt is not None:
-            rid = self.rule(arg, "shape", f"fewer than {spec.numel_lt} elements", spec)
+            rid = self.rule(arg, "shape", f"fewer than {spec.numel_lt} elements", spec,
+                            detail=("numel", spec.numel_lt))
             self.emit(ind, f"if {val}.numel() >= {spec.numel_lt}: {self.fail(rid, val, idx)}")
         for name, b in (spec.dims or {}).items():
             shape = " or ".join(f"({s})" for s in spec.shape or ())
@@ -324,7 +325,8 @@ class _Gen:
                 bound = getattr(b, op_name)
                 if bound is None:
                     continue
-                rid = self.rule(arg, "shape", f"shape {shape} with {name} {sym} {bound}", spec)
+                rid = self.rule(arg, "shape", f"shape {shape} with {name} {sym} {bound}", spec,
+                                detail=("dims", name, sym, bound))
                 guard = "" if name in self.bound else f"_oc_d_{name} is not _oc_U and "
                 self.emit(ind, f"if {guard}_oc_d_{name} {bad} {bound}: {self.fail(rid, val, idx)}")
         if spec.same_shape_as is not None:
@@ -400,7 +402,7 @@ class _Gen:
         for op_name, bound in bounds:
             op_sym = {"ge": "<", "le": ">", "lt": ">="}[op_name]
             sym = {"ge": ">=", "le": "<=", "lt": "<"}[op_name]
-            rid = self.rule(arg, "bound", f"{sym} {bound}", spec)
+            rid = self.rule(arg, "bound", f"{sym} {bound}", spec, detail=(sym, bound))
             if isinstance(bound, int):
                 self.emit(1, f"if {present} and {v} {op_sym} {bound}: {self.fail(rid, v)}")
             else:

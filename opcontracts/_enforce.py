@@ -28,12 +28,14 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import _memo, _modes, _registry, _values
+from . import _memo, _modes, _nesting, _registry, _values
 from . import _report as _report_mod
 from ._callsite import CallSite, find_call_site
 from ._compile import MISSING, CompiledContract, Param, RawViolation, compile_contract
 from ._dtypes import dtype_name, int_range, parse_dtype
+from ._nesting import call_within
 from ._report import bump, current_rank, record
+from ._shapes import ShapeSpec, eval_dim, parse_shape
 from .errors import ContractFixWarning, ContractViolation, ContractWarning, OpContractsError
 
 __all__ = ["make_guard", "params_of", "violation_from_raw", "check_call", "compiled_for"]
@@ -152,6 +154,15 @@ def _fix_target(raw: RawViolation, partner_value: Any) -> torch.dtype | None:
     return None
 
 
+def _concrete(spec: ShapeSpec, bindings: dict[str, int]) -> str:
+    """A shape with the sizes the bindings decide filled in: ``(8, H)`` for ``N*K H``."""
+    dims = []
+    for d in spec.dims:
+        v = eval_dim(d, bindings) if d.kind in ("name", "expr", "int") else None
+        dims.append(str(v) if v is not None else d.text)
+    return "(" + ", ".join(dims) + ("," if len(dims) == 1 else "") + ")"
+
+
 def _hint(raw: RawViolation, partner_value: Any) -> str | None:
     rule = raw.rule
     spec = rule.arg_spec
@@ -159,9 +170,12 @@ def _hint(raw: RawViolation, partner_value: Any) -> str | None:
         return spec.hint
     a = rule.arg or "x"
     ref = a if raw.index is None else f"{a}[{raw.index}]"
-    if rule.kind == "same_dtype":
+    b = raw.bindings
+    where = ", ".join(f"{k}={v}" for k, v in b.items())
+    kind = rule.kind
+    if kind == "same_dtype":
         return f"{ref} = {ref}.to({rule.partner}.dtype)"
-    if rule.kind == "dtype" and spec is not None and spec.dtype:
+    if kind == "dtype" and spec is not None and spec.dtype:
         try:
             t = _fix_target(raw, partner_value)
         except NeedsValues:
@@ -172,16 +186,63 @@ def _hint(raw: RawViolation, partner_value: Any) -> str | None:
                     and parse_dtype(d).is_floating_point == v.is_floating_point()]
             t = parse_dtype((pick or list(spec.dtype))[0])
         return f"{ref} = {ref}.to(torch.{dtype_name(t)})"
-    if rule.kind == "contiguous":
+    if kind == "contiguous":
         return f"{ref} = {ref}.contiguous()"
-    if rule.kind == "device":
+    if kind == "device":
         return f"move {ref} to the device of the other tensor arguments ({ref}.to(other.device))"
-    if rule.kind == "missing":
-        return f"pass a tensor for {ref}"
-    if rule.kind in ("shape", "rank"):
-        b = ", ".join(f"{k}={v}" for k, v in raw.bindings.items())
-        return f"pass {ref} with {rule.expected}" + (f" where {b}" if b else "")
+    if kind == "missing":
+        return f"pass a {'tensor' if spec is None or spec.is_tensor else 'value'} for {ref}"
+    if kind == "type":
+        if rule.expected == "a list of tensors":
+            return f"pass {ref} as a list (or tuple) of tensors"
+        if rule.expected == "a number":
+            return f"pass a number for {ref} (got a {type(raw.value).__name__})"
+        return f"pass a torch.Tensor for {ref} (got a {type(raw.value).__name__})"
+    if kind == "list_len":
+        return f"pass at most {rule.expected.split()[2]} tensors in {ref} (split the call)"
+    if kind == "allowed" and spec is not None and spec.allowed is not None:
+        if len(spec.allowed) == 1:
+            return f"pass {ref}={spec.allowed[0]!r} (the only value the kernel supports)"
+        return f"pass {ref} as one of {', '.join(map(repr, spec.allowed))}"
+    if kind == "bound" and isinstance(rule.detail, tuple):
+        sym, bound = rule.detail
+        value = "" if isinstance(bound, int) else \
+            f" ({bound} = {_bound_value(bound, b)} here)" if _bound_value(bound, b) is not None \
+            else ""
+        return f"pass {ref} {sym} {bound}{value}"
+    if isinstance(rule.detail, tuple) and rule.detail and rule.detail[0] == "dims":
+        _, name, sym, bound = rule.detail
+        return (f"{ref}'s size {name} is {b.get(name, '?')}; the kernel supports only {name} "
+                f"{sym} {bound}: no cast repairs this (split the work, or use the unfused path)")
+    if isinstance(rule.detail, tuple) and rule.detail and rule.detail[0] == "numel":
+        return (f"pass {ref} with fewer than {rule.detail[1]} elements (split the batch, or "
+                "use the unfused path)")
+    if kind in ("shape", "rank"):
+        shapes = rule.detail if isinstance(rule.detail, list) else []
+        if len(shapes) == 1 and where:
+            concrete = _concrete(shapes[0], b)
+            if concrete != f"({shapes[0].text.replace(' ', ', ')})":
+                return f"pass {ref} with shape {concrete} ({shapes[0].text} where {where})"
+        return f"pass {ref} with {rule.expected}" + (f" where {where}" if where else "")
+    if kind == "same_shape":
+        return f"pass {ref} with the shape of {rule.partner}"
     return None
+
+
+def _bound_value(bound: str, bindings: dict[str, int]) -> int | None:
+    try:
+        return eval_dim(parse_shape(bound).dims[0], bindings)
+    except Exception:  # a message must never fail on its hint
+        return None
+
+
+def _expected(raw: RawViolation, partner_value: Any) -> str:
+    """The rule's expectation, with what the call made of it: a partner's dtype."""
+    rule = raw.rule
+    if rule.kind == "same_dtype" and isinstance(partner_value, torch.Tensor):
+        text = f"the dtype of {rule.partner}"
+        return rule.expected.replace(text, f"{text} ({dtype_name(partner_value.dtype)})", 1)
+    return rule.expected
 
 
 def violation_from_raw(raw: RawViolation, site: CallSite | None, partner_value: Any = None,
@@ -189,7 +250,8 @@ def violation_from_raw(raw: RawViolation, site: CallSite | None, partner_value: 
     rule = raw.rule
     arg = rule.arg if raw.index is None else f"{rule.arg}[{raw.index}]"
     return ContractViolation(
-        op=rule.op, arg=arg, rule=rule.kind, expected=rule.expected, actual=_actual(raw),
+        op=rule.op, arg=arg, rule=rule.kind, expected=_expected(raw, partner_value),
+        actual=_actual(raw),
         bindings=raw.bindings, call_site=str(site) if site else None, source=rule.source,
         fix=_hint(raw, partner_value), rank=current_rank(),
     )
@@ -213,6 +275,7 @@ def reset_warnings() -> None:
     with _reg_lock:
         _registries.clear()
     _site_cache.clear()
+    _nested_sites.clear()
 
 
 # --------------------------------------------------------------------------- slow path
@@ -352,6 +415,9 @@ def _violated(m: _modes.Mode, cc: CompiledContract, fn: Callable[..., Any],
     """
     __tracebackhide__ = True  # pytest: show the user's frame, not ours
     caller = sys._getframe(depth)
+    outer = _nesting.outer() if m is not _modes.STRICT else None
+    if outer is not None:  # inside a violating guarded call: the same mistake, attached to it
+        return _nested(outer, m, cc, fn, args, kwargs, caller)
     if m is _modes.FIX:
         entry = _site_cache.get((cc.key, caller.f_code, caller.f_lineno, m))
         if entry is not None and entry.same is not None and not kwargs \
@@ -361,13 +427,13 @@ def _violated(m: _modes.Mode, cc: CompiledContract, fn: Callable[..., Any],
                 new[i] = new[i].contiguous() if target is None else new[i].to(target)
             bump(entry.keys, fixed=True)
             _emit(entry)
-            return fn(*new)
+            return call_within(entry.keys[0], fn, new, {})
         if entry is not None and entry.steps is not None:
             b = _Bound(cc, args, kwargs)
             if _replay(entry.steps, b) and cc.fast is not None and cc.fast(*b.args, **b.kwargs) is True:
                 bump(entry.keys, fixed=True)
                 _emit(entry)
-                return fn(*b.args, **b.kwargs)
+                return call_within(entry.keys[0], fn, b.args, b.kwargs)
     try:
         raw = cc.check(*args, **kwargs)
     except TypeError:  # the arguments do not even bind: let the original say so
@@ -379,7 +445,7 @@ def _violated(m: _modes.Mode, cc: CompiledContract, fn: Callable[..., Any],
     if entry is not None and m is _modes.WARN:
         bump(entry.keys, fixed=False)
         _emit(entry)
-        return fn(*args, **kwargs)
+        return call_within(entry.keys[0], fn, args, kwargs)
     site = find_call_site(caller)
     b = _Bound(cc, args, kwargs)
     if m is _modes.FIX:
@@ -387,12 +453,48 @@ def _violated(m: _modes.Mode, cc: CompiledContract, fn: Callable[..., Any],
     exc = violation_from_raw(raw, site, b.get(raw.rule.partner))
     msg, _ = _record_and_message(exc, site, m, False)
     if m is _modes.WARN:
-        entry = _SiteEntry(site, msg, ContractWarning,
-                           [(exc.op, exc.arg, exc.rule, str(site) if site else "?", m.value)], None)
+        key = (exc.op, exc.arg, exc.rule, str(site) if site else "?", m.value)
+        entry = _SiteEntry(site, msg, ContractWarning, [key], None)
         _cache(ckey, entry)
         _emit(entry)
-        return fn(*args, **kwargs)
+        _report_mod.mark_shown(key)
+        return call_within(key, fn, args, kwargs)
     raise exc
+
+
+_nested_sites: dict[tuple[Any, ...], tuple[str, str | None, str, str]] = {}
+
+
+def _nested(outer: _nesting.Key, m: _modes.Mode, cc: CompiledContract, fn: Callable[..., Any],
+            args: tuple[Any, ...], kwargs: dict[str, Any], caller: Any) -> Any:
+    """A violation inside a violating guarded call (``warn`` or ``fix``): attached to the
+    outer call's record, no record or warning of its own; ``fix`` still repairs it."""
+    __tracebackhide__ = True
+    try:
+        raw = cc.check(*args, **kwargs)
+    except TypeError:
+        return fn(*args, **kwargs)
+    if raw is None:
+        return fn(*args, **kwargs)
+    b = _Bound(cc, args, kwargs)
+    if m is _modes.FIX:
+        repairs = plan_fix(cc, b, raw)
+        broken = repairs[-1].new is None
+    else:
+        repairs, broken = [Repair(raw, None, None, None)], False
+    for r in repairs:
+        ckey = (cc.key, id(r.raw.rule), r.raw.index, caller.f_code, caller.f_lineno)
+        what = _nested_sites.get(ckey)
+        if what is None or broken:
+            site = find_call_site(caller)
+            exc = violation_from_raw(r.raw, site, b.get(r.raw.rule.partner))
+            if broken and r is repairs[-1]:
+                raise exc  # nothing can repair it: as at the top level, the call fails
+            what = (exc.op, exc.arg, exc.rule, str(site) if site else "?")
+            _evict_oldest(_nested_sites, SITE_CACHE_SIZE)
+            _nested_sites[ckey] = what
+        _report_mod.nest(outer, *what)
+    return fn(*b.args, **b.kwargs)
 
 
 def _replay(steps: list[tuple[str, int | None, str, Any]], b: _Bound) -> bool:
@@ -488,6 +590,7 @@ def _fix_and_call(raw: RawViolation, cc: CompiledContract, fn: Callable[..., Any
         keys.append((exc.op, exc.arg, exc.rule, str(site) if site else "?", _modes.FIX.value))
         messages.append(what + "\n" + msg)
         _warn(exc, site, what + "\n" + msg, ContractFixWarning)
+        _report_mod.mark_shown(keys[-1])
     steps = [r.step for r in repairs if r.step is not None]
     if ckey is not None and keys:
         entry = _SiteEntry(site, "\n".join(messages), ContractFixWarning, keys,
@@ -495,7 +598,7 @@ def _fix_and_call(raw: RawViolation, cc: CompiledContract, fn: Callable[..., Any
         if entry.steps is not None and not b.kwargs and not _values_switch(cc)[0]:
             _learn_repair(entry, cc, b, repairs)
         _cache(ckey, entry)
-    return fn(*b.args, **b.kwargs)
+    return call_within(keys[0] if keys else None, fn, b.args, b.kwargs)
 
 
 def _learn_repair(entry: _SiteEntry, cc: CompiledContract, b: _Bound, repairs: list[Repair]) -> None:

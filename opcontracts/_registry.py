@@ -208,9 +208,20 @@ def _merge_arg(a: Arg, b: Arg) -> Arg:
         inter = tuple(d for d in a.dtype if d in b.dtype)
         data["dtype"] = inter or (b.dtype if len(b.dtype) < len(a.dtype) else a.dtype)
     data["optional"] = a.optional and b.optional
-    srcs = [s for s in (a.source, b.source) if s]
-    data["source"] = " + ".join(dict.fromkeys(srcs)) if srcs else None
+    data["source"] = join_sources(a.source, b.source)
     return Arg.model_validate({("list" if k == "tensor_list" else k): v for k, v in data.items()})
+
+
+def join_sources(*sources: str | None) -> str | None:
+    """Several sources as one text, each named once: a source that lists several (``a + b;
+    c``) is split into its parts first, so merging merged contracts never repeats a part."""
+    parts: dict[str, None] = {}
+    for s in sources:
+        for chunk in (s or "").split(";"):
+            for p in chunk.split(" + "):
+                if p.strip():
+                    parts[p.strip()] = None
+    return "; ".join(parts) or None
 
 
 def merge_contracts(items: list[Contract]) -> Contract:
@@ -227,10 +238,9 @@ def merge_contracts(items: list[Contract]) -> Contract:
             else:
                 args[name] = a.model_copy(update={"source": a.source or c.source})
     targets = tuple(dict.fromkeys(t for c in items for t in c.targets))
-    sources = [c.source for c in items if c.source]
     return Contract(
         first.op, args, targets=targets,
-        source=" + ".join(dict.fromkeys(sources)) if sources else None,
+        source=join_sources(*(c.source for c in items)),
         signature=first.signature, same_device=any(c.same_device for c in items),
         doc=first.doc, file=first.file,
     )

@@ -343,13 +343,17 @@ def check_report_data(data: Any) -> list[str]:
 
 
 def table_lines(records: Iterable[Record]) -> list[str]:
-    """The records as an aligned table (header, rule, one row each), in the order given."""
-    rows = [("op", "arg", "rule", "mode", "count", "ranks", "call site")]
-    for r in records:
+    """The records as an aligned table (header, rule, one row each), in the order given; a last
+    column counts the violations seen inside each call when any record has some."""
+    recs = list(records)
+    inside = any(r.nested for r in recs)
+    rows = [("op", "arg", "rule", "mode", "count", "ranks", "call site")
+            + (("inside it",) if inside else ())]
+    for r in recs:
         ranks = ",".join(map(str, sorted(r.ranks))) if r.ranks else "-"
         mode = f"{r.mode} ({r.fixed} fixed)" if r.fixed else r.mode
-        op = f"{r.op} (+{len(r.nested)} nested)" if r.nested else r.op
-        rows.append((op, r.arg or "-", r.rule, mode, str(r.count), ranks, r.call_site))
+        extra = ((f"+{len(r.nested)} nested" if r.nested else "-",) if inside else ())
+        rows.append((r.op, r.arg or "-", r.rule, mode, str(r.count), ranks, r.call_site, *extra))
     return aligned(rows)
 
 

@@ -341,7 +341,7 @@ def test_unknown_version_merges_into_the_strictest(two_versions: str) -> None:
     c = _registry.resolve(two_versions)
     assert c is not None
     assert c.args["t"].dtype == ("bfloat16",) and c.args["p"].dtype == ("bfloat16",)
-    assert c.source == "new doc + old doc"
+    assert c.source == "new doc; old doc"
 
 
 def test_set_versions_invalidates_resolutions(two_versions: str) -> None:
@@ -353,7 +353,7 @@ def test_set_versions_invalidates_resolutions(two_versions: str) -> None:
     assert c is not None and c.args["t"].dtype == ("bfloat16",) and c.source == "old doc"
     opcontracts.set_versions(cann="unknown")
     c = _registry.resolve(two_versions)
-    assert c is not None and c.source == "new doc + old doc"
+    assert c is not None and c.source == "new doc; old doc"
 
 
 @pytest.fixture
