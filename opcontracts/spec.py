@@ -135,6 +135,14 @@ class _Frozen(BaseModel):
             if value != info.default:
                 yield name, value
 
+    @classmethod
+    def model_validate(cls, obj: Any, *args: Any, **kwargs: Any) -> Any:
+        # the project's error from every entry point (the registry builds merged Args this way)
+        try:
+            return super().model_validate(obj, *args, **kwargs)
+        except ValidationError as exc:
+            raise ContractFileError.of(_problems(exc, cls, obj=cls.__name__)) from None
+
 
 class ValueRule(_Frozen):
     """Checks that read tensor values; they run only when value checks are enabled."""
@@ -521,15 +529,16 @@ def _problems(exc: ValidationError, root: type[BaseModel], *, file: str | None =
         ctx_err = (err.get("ctx") or {}).get("error")
         # problems found below this location: by a validator that names sub-fields, or by a
         # nested model's own __init__ (pydantic calls a custom __init__ for nested tables)
-        subs: list[tuple[str | None, str]] | None = None
+        subs: list[FileProblem] | None = None
         if isinstance(ctx_err, _FieldProblems):
-            subs = ctx_err.problems
+            subs = [FileProblem(msg, field=sub) for sub, msg in ctx_err.problems]
         elif isinstance(ctx_err, ContractFileError):
-            subs = [(p.field, p.message) for p in ctx_err.problems]
+            subs = list(ctx_err.problems)
         if subs is not None:
-            for sub, msg in subs:
-                field = ".".join(x for x in (_loc(loc), sub) if x) or None
-                out.append(FileProblem(msg, file, contract, field, obj))
+            for q in subs:
+                field = ".".join(x for x in (_loc(loc), q.field) if x) or None
+                out.append(FileProblem(q.message, file or q.file, contract or q.contract,
+                                       field, obj))
             continue
         kind = err.get("type")
         msg = _clean(str(err.get("msg", "")))
@@ -577,8 +586,6 @@ def _contract_from_table(table: Any, file: str, index: int) -> tuple[Contract | 
     label = _label(table.get("op")) or f"#{index}"
     try:  # (pydantic calls Contract.__init__, which adds the argument-name problems)
         contract = Contract.model_validate({**table, "file": file})
-    except ValidationError as exc:
-        return None, _problems(exc, Contract, file=file, contract=label)
     except ContractFileError as exc:
         return None, [q._replace(file=file, contract=label, obj=None) for q in exc.problems]
     except RecursionError:

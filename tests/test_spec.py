@@ -263,6 +263,12 @@ def test_python_objects_raise_the_projects_error_with_field_and_known_names():
     with pytest.raises(ContractFileError, match="'zz', which is not an argument") as ei:
         Contract("x", {"b": Arg(same_shape_as="zz")})
     assert ei.value.field == "args.b.same_shape_as"
+    # model_validate too (the registry builds merged contracts with it)
+    with pytest.raises(ContractFileError, match="Arg, field shape: a shape must be a string"):
+        Arg.model_validate({"shape": 5})
+    with pytest.raises(ContractFileError) as ei:
+        Contract.model_validate({"op": "x", "args": {"a": {"rank": "two"}}})
+    assert (ei.value.contract, ei.value.field) == ("x", "args.a.rank")
 
 
 @pytest.mark.parametrize("kwargs, field", [
