@@ -457,8 +457,8 @@ def set_versions(*, torch_npu: str | None = _KEEP, cann: str | None = _KEEP,
     ``prev = set_versions(...); ...; set_versions(**prev)`` restores them.  Without arguments
     it only re-detects (after changing ``os.environ`` in-process).
 
-    Resolutions of contracts are recomputed on their next use; guards made earlier by
-    ``enforce("op")`` keep the contract they resolved.
+    Resolutions of contracts are recomputed on their next use, and every guard that follows
+    the registry (the patch's, ``enforce("op")``) resolves again on its next call.
     """
     given = {k: v for k, v in {"torch_npu": torch_npu, "cann": cann, "mindspeed": mindspeed,
                                "soc": soc}.items() if v is not _KEEP}
