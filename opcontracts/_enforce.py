@@ -333,7 +333,7 @@ def _positions(cc: CompiledContract) -> dict[str, int]:
 def _record_and_message(exc: ContractViolation, site: CallSite | None, m: _modes.Mode,
                         fixed: bool) -> tuple[str, bool]:
     rec, new = record(exc.op, exc.arg, exc.rule, str(site) if site else "?", m.value, str(exc),
-                      fixed=fixed, rank=exc.rank)
+                      fixed=fixed, rank=exc.rank, expected=exc.expected, got=exc.got)
     return (rec.message if rec is not None else str(exc)), new
 
 

@@ -108,6 +108,15 @@ class SettingError(OpContractsError, ValueError):
     naming the variable and the valid values)."""
 
 
+def got_text(actual: str) -> str:
+    """The argument's side of a violation without the verb: "argument 'p' has dtype float32"
+    reads "got: dtype float32"."""
+    for verb in ("has ", "is "):
+        if actual.startswith(verb):
+            return actual[len(verb):]
+    return actual
+
+
 def format_violation(
     *, op: str, arg: str | None, rule: str, expected: str, actual: str,
     bindings: Mapping[str, int], call_site: str | None, source: str | None, fix: str | None,
@@ -117,11 +126,7 @@ def format_violation(
         f"{op}: {actual}, expected {expected}"
     if rank is not None:
         head = f"[rank {rank}] {head}"
-    got = actual
-    for verb in ("has ", "is "):  # "argument 'p' has dtype float32" reads "got: dtype float32"
-        if got.startswith(verb):
-            got = got[len(verb):]
-            break
+    got = got_text(actual)
     lines = [head, f"  rule:      {rule}", f"  expected:  {expected}", f"  got:       {got}"]
     if bindings:
         lines.append("  bindings:  " + ", ".join(f"{k}={v}" for k, v in bindings.items()))
@@ -160,6 +165,11 @@ class ContractViolation(OpContractsError, TypeError):
         self.others = others
         self.rank = rank
         super().__init__(self._message())
+
+    @property
+    def got(self) -> str:
+        """What the argument was, as the message's ``got:`` line says it."""
+        return got_text(self.actual)
 
     def _message(self) -> str:
         return format_violation(

@@ -164,8 +164,6 @@ def test_from_dict_rejects_what_is_not_a_report():
     assert rep.records[0].op == "o" and rep.records[0].expected is None
 
 
-@pytest.mark.xfail(strict=True, reason="needs _enforce._record_and_message to pass "
-                   "expected=/got= to record() (the lead's file; see the report)")
 def test_records_of_guarded_calls_have_expected_and_got():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
