@@ -317,3 +317,15 @@ def test_repr_shows_only_the_fields_that_are_set():
 
     assert "None" not in str(inspect.signature(norm))
     assert "Arg(dtype=('bfloat16',), shape=('N H',))" in str(inspect.signature(norm))
+
+
+def test_contract_file_error_pickles_with_every_problem(tmp_path: Path):
+    import pickle
+
+    f = tmp_path / "bad.toml"
+    f.write_text(_contract('dtype = "bf17"\nrank = "two"'))
+    with pytest.raises(ContractFileError) as ei:
+        load_contracts(f)
+    back = pickle.loads(pickle.dumps(ei.value))  # pytest-xdist, multiprocessing
+    assert back.problems == ei.value.problems and str(back) == str(ei.value)
+    assert (back.file, back.contract, back.field) == (str(f), "x", "args.a.dtype")
