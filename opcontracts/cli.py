@@ -414,6 +414,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="report files (report.rank0.json ...) or a folder of them")
     prm.add_argument("--json", metavar="OUT", help="also write the merged report as JSON")
     prm.set_defaults(func=_cmd_report_merge)
+    from .wheel.cli import add_parser as _add_wheel_parser  # imports nothing else until run
+
+    _add_wheel_parser(sub)
     return p
 
 

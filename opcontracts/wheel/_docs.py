@@ -222,6 +222,8 @@ def _read_list(text: str) -> tuple[list[str], int]:
         m = _TOKEN.match(text, pos)
         if m is None:
             break
+        if found and re.match(r"\s*(?:类型)?\s*(?:时|的时候)", text[m.end():]):
+            break  # "int8、bool，int8时取值支持0、1": the last one starts a condition
         name = DOC_DTYPES[m.group(1).lower()]
         if name not in found:
             found.append(name)
@@ -319,7 +321,7 @@ def _entries(doc: str, known: set[str]) -> tuple[list[tuple[str, list[str]]], bo
             break
         if s.startswith("*") and ("关键字" in s or "位置" in s):
             continue  # "*: the arguments after it are keyword-only"
-        m = _ENTRY.match(s.replace("\\_", "_"))
+        m = _ENTRY.match(re.sub(r"\*\*|</?strong>|</?b>", "", s.replace("\\_", "_")))
         if m:
             name = m.group("name").replace("\\", "")
             rest = s[m.end():m.end() + 24]

@@ -37,11 +37,11 @@ import gzip
 import hashlib
 import io
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ._bindings import parse_bindings
 from ._docs import OpDoc, parse_docs
@@ -169,6 +169,35 @@ def loads(blob: bytes, origin: str = "<bytes>") -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- read
+_T = TypeVar("_T")
+
+
+class _Lazy(Mapping[str, _T]):
+    """A read-only mapping whose values are built on first access (a release has ~400 ops;
+    a check reads a handful)."""
+
+    def __init__(self, keys: Mapping[str, Any], load: Callable[[str], _T]) -> None:
+        self._keys = keys
+        self._load = load
+        self._done: dict[str, _T] = {}
+
+    def __getitem__(self, key: str) -> _T:
+        if key not in self._done:
+            if key not in self._keys:
+                raise KeyError(key)
+            self._done[key] = self._load(key)
+        return self._done[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+
 @dataclass
 class Release:
     """One torch_npu release as the digest knows it (parsed on first use)."""
@@ -186,32 +215,40 @@ class Release:
         return self.rec.get("files", {}).get(role)
 
     @cached_property
-    def schemas(self) -> dict[str, list[OpSchema]]:
+    def _funcs(self) -> dict[str, list[str]]:
         sid = self.rec.get("schema")
-        if sid is None:
-            return {}
         funcs = self.data["funcs"]
-        return by_op([funcs[i] for i in self.data["schema"][sid]])
+        out: dict[str, list[str]] = {}
+        for i in self.data["schema"].get(sid, ()) if sid else ():
+            f = funcs[i]
+            out.setdefault(f.split("(", 1)[0].split(".", 1)[0].strip(), []).append(f)
+        return out
+
+    @cached_property
+    def schemas(self) -> Mapping[str, list[OpSchema]]:
+        """op -> its overloads, the default first (parsed on first access of each op)."""
+        funcs = self._funcs
+        return _Lazy(funcs, lambda op: by_op(funcs[op])[op])
 
     def schema(self, op: str) -> OpSchema | None:
         lst = self.schemas.get(op)
         return lst[0] if lst else None
 
     @cached_property
-    def docs(self) -> dict[str, OpDoc]:
+    def docs(self) -> Mapping[str, OpDoc]:
+        """op -> its parsed docstring (``OpDoc``), for the documented ops."""
         key = self.rec.get("docs")
-        if key is None:
-            return {}
+        index = self.data["docs"].get(key, {}) if key else {}
         entries = self.data["entries"]
-        return {op: OpDoc.from_json(op, entries[i]) for op, i in self.data["docs"][key].items()}
+        return _Lazy(index, lambda op: OpDoc.from_json(op, entries[index[op]]))
 
     @cached_property
-    def meta(self) -> dict[str, MetaKernel]:
+    def meta(self) -> Mapping[str, MetaKernel]:
+        """op -> its meta kernel (``MetaKernel``)."""
         mid = self.rec.get("meta")
-        if mid is None:
-            return {}
+        index = self.data["meta"].get(mid, {}) if mid else {}
         entries = self.data["entries"]
-        return {op: MetaKernel.from_json(op, entries[i]) for op, i in self.data["meta"][mid].items()}
+        return _Lazy(index, lambda op: MetaKernel.from_json(op, entries[index[op]]))
 
     @cached_property
     def bindings(self) -> frozenset[str]:
@@ -356,7 +393,7 @@ def _load_default() -> Digest:
     return Digest(loads(blob, str(p)), str(p))
 
 
-def op_schemas(version: str, digest: Digest | None = None) -> dict[str, list[OpSchema]]:
+def op_schemas(version: str, digest: Digest | None = None) -> Mapping[str, list[OpSchema]]:
     """op -> its overloads (default first) in one torch_npu release of the digest."""
     return (digest or load()).release(version).schemas
 
