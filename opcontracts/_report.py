@@ -273,6 +273,8 @@ _RECORD_FIELDS: dict[str, tuple[Any, str, bool]] = {
     "ranks": (lambda v: isinstance(v, list) and all(_is_int(k) for k in v),
               "a list of ranks (integers >= 0)", False),
     "expected": (*_OPT_STR, False), "got": (*_OPT_STR, False),
+    "nested": (lambda v: isinstance(v, list) and all(isinstance(n, dict) for n in v),
+               "a list of objects", False),
 }
 _TOP_FIELDS: dict[str, tuple[Any, str]] = {
     "total": (_is_int, "an integer >= 0"), "dropped": (_is_int, "an integer >= 0"),
@@ -493,9 +495,7 @@ def write_report(path: str, rep: Report | None = None) -> str:
 
     rep = report() if rep is None else rep
     rank = current_rank()
-    data = rep.to_dict()
-    if rep.metadata is None:
-        data["metadata"] = metadata(rank=rank)
+    data = rep.to_dict()  # with the metadata of this process (or the one it was read with)
     data["rank"] = rank
     out = report_path_for_rank(path, rank)
     d = os.path.dirname(out)

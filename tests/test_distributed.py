@@ -261,7 +261,9 @@ def test_merge_names_each_bad_file_and_what_is_wrong(tmp_path: Path,
         {"op": "op_a", "arg": "x", "rule": "dtype", "call_site": "a.py:1", "mode": "warn",
          "count": "3", "message": "m"},
         {"op": "op_b", "rule": "dtype"},
-        "junk"]}), encoding="utf-8")
+        "junk",
+        {"op": "op_c", "arg": None, "rule": "dtype", "call_site": "c.py:3", "mode": "warn",
+         "count": 1, "message": "m", "ranks": [-1], "nested": "no"}]}), encoding="utf-8")
     a_list = tmp_path / "list.json"
     a_list.write_text("[1, 2]", encoding="utf-8")
     files = [good, str(not_json), str(not_a_report), str(wrong_fields), str(a_list)]
@@ -277,6 +279,9 @@ def test_merge_names_each_bad_file_and_what_is_wrong(tmp_path: Path,
     assert f"{pre}{wrong_fields}: records[1]: no 'arg' field" in lines
     assert f"{pre}{wrong_fields}: records[1]: no 'call_site' field" in lines
     assert f"{pre}{wrong_fields}: records[2]: expected an object, got 'junk'" in lines
+    assert f"{pre}{wrong_fields}: records[3].ranks: expected a list of ranks (integers >= 0), " \
+        "got [-1]" in lines
+    assert f"{pre}{wrong_fields}: records[3].nested: expected a list of objects, got 'no'" in lines
     assert f"{pre}{a_list}: not an opcontracts report: expected a JSON object, got [1, 2]" in lines
     assert not any(str(good) in ln for ln in lines)
     # the library call raises the project's error (a ValueError) naming the file
