@@ -637,3 +637,59 @@ def attached() -> list[Observer | Counter]:
     """The observers attached now."""
     with _lock:
         return list(_attached)
+
+
+# --------------------------------------------------------------------------- targets without a contract
+class WatchError(RuntimeError):
+    """A target without a contract cannot be watched here (see ``watch``)."""
+
+
+_empty_ok: bool | None = None
+
+
+def _empty_contract_compiles() -> bool:
+    """Whether this build's checker compiles a contract without rules (a pass-through guard);
+    tested once, since a guard that fails to build would break the watched call."""
+    global _empty_ok
+    if _empty_ok is None:
+        from ._compile import Param, compile_contract
+        from .spec import Contract
+
+        try:
+            cc = compile_contract(Contract("opcontracts.watch-selftest", {}), [Param("x")])
+            _empty_ok = bool(cc.fast(1)) if cc.fast is not None else True
+        except Exception:
+            _empty_ok = False
+    return _empty_ok
+
+
+def watch(targets: dict[str, str], *, source: str) -> list[str]:
+    """Guard ``{op: "module.function"}`` targets that have no contract, with an empty contract
+    (no rules: the guard only calls through), so that observers see their calls.  The patch
+    does the finding, the import hook for modules imported later and the alias rebinding, as
+    for any contract; ops that have a contract already are left as they are.  Returns the ops
+    newly watched.  The empty contracts stay registered until the process ends (they check
+    nothing)."""
+    from . import _registry
+    from .spec import Contract
+
+    new = []
+    for op, path in targets.items():
+        try:
+            has = bool(_registry.candidates(op)) or _registry.resolve(op) is not None
+        except _registry.UnknownOpError:
+            has = False
+        if not has:
+            new.append(Contract(op, {}, targets=(path,),
+                                source=f"{source}: watched without a contract (no rules)"))
+    if not new:
+        return []
+    if not _empty_contract_compiles():
+        raise WatchError(
+            "watching a target without a contract needs a guard that checks nothing, and this "
+            "build's checker cannot compile a contract without rules; give the op a contract "
+            f"instead ({', '.join(c.op for c in new)})")
+    import opcontracts.patch as patch
+
+    patch.apply(new)
+    return [c.op for c in new]
