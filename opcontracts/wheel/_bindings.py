@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ast
 
+from ._source import parse_source
+
 __all__ = ["parse_bindings"]
 
 
@@ -23,7 +25,7 @@ def _dotted(node: ast.AST) -> str | None:
 def parse_bindings(source: str) -> dict[str, str]:
     """``{"npu_x": "npu_x"}``: torch_npu attribute -> the ``torch.ops.npu`` op it is bound to."""
     out: dict[str, str] = {}
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(parse_source(source)):
         if not isinstance(node, ast.Assign):
             continue
         value = _dotted(node.value)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._schema import OpSchema
+from ._source import parse_source
 
 __all__ = ["DtypeStatement", "ArgDoc", "OpDoc", "doc_blocks", "parse_block", "parse_docs",
            "DOC_DTYPES", "dtype_token"]
@@ -181,7 +182,7 @@ class OpDoc:
 def doc_blocks(source: str) -> dict[str, tuple[str, int]]:
     """op -> (its last docstring, how many blocks document it), read with ``ast``: the file
     is never executed (it imports torch_npu)."""
-    tree = ast.parse(source)
+    tree = parse_source(source)
     out: dict[str, tuple[str, int]] = {}
     for node in ast.walk(tree):
         if not (isinstance(node, ast.Call) and len(node.args) == 2):
@@ -259,9 +260,11 @@ def _statements(text: str) -> list[tuple[list[str], str, bool]]:
             if not tokens:
                 # 仅支持 may come before the trigger word: "仅支持float16" handled by the trigger
                 continue
-            after = clause[m.end() + end:m.end() + end + 3]
+            after = clause[m.end() + end:m.end() + end + 3].lstrip()
             if after.startswith("时") or after.startswith("的时候"):
                 continue  # "数据类型为int8时...": a condition, not a statement
+            if after.startswith(("输出", "的输出", "结果")):
+                continue  # "支持float16输出": an output's dtype
             before = clause[:m.start()]
             if re.search(r"(当|如果|若)[^，,。；;]*$", before):
                 continue  # "当x的数据类型为...": a condition

@@ -21,6 +21,8 @@ import ast
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._source import parse_source
+
 __all__ = ["MetaKernel", "parse_meta", "MAX_RANK"]
 
 MAX_RANK = 8
@@ -333,7 +335,7 @@ def _npu_libraries(tree: ast.Module) -> set[str]:
 def parse_meta(source: str) -> dict[str, MetaKernel]:
     """op -> its meta kernel, for every ``@impl(<npu library>, "op")`` in the file (the default
     overload's when an op has several; ``op.overload`` registrations are skipped)."""
-    tree = ast.parse(source)
+    tree = parse_source(source)
     libs = _npu_libraries(tree)
     out: dict[str, MetaKernel] = {}
     for node in ast.walk(tree):

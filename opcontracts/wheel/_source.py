@@ -7,14 +7,17 @@ the wheel tools need are read as bytes, with the version from the wheel's ``META
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import re
+import warnings
 import zipfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["WheelFiles", "WheelReadError", "PATHS", "read_wheels", "read_one", "file_id"]
+__all__ = ["WheelFiles", "WheelReadError", "PATHS", "read_wheels", "read_one", "file_id",
+           "parse_source"]
 
 PATHS: dict[str, str] = {
     "schema": "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml",
@@ -131,3 +134,12 @@ def read_wheels(paths: Iterable[str | Path]) -> list[WheelFiles]:
             w = read_one(p)
             out.setdefault(w.version, w)
     return sorted(out.values(), key=lambda w: Version(w.version))
+
+
+def parse_source(source: str) -> ast.Module:
+    """``ast.parse`` without the warnings the wheels' files raise (their docstrings hold
+    invalid escapes such as ``\\_``, a DeprecationWarning or SyntaxWarning per occurrence)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", SyntaxWarning)
+        return ast.parse(source)
