@@ -578,13 +578,17 @@ def _fix_and_call(raw: RawViolation, cc: CompiledContract, fn: Callable[..., Any
                   b: _Bound, site: CallSite | None, ckey: tuple[Any, ...] | None = None) -> Any:
     __tracebackhide__ = True
     repairs = plan_fix(cc, b, raw)
+    if repairs[-1].new is None:
+        # something cannot be repaired: the call fails, so nothing was "fixed"; every rule it
+        # broke is recorded as a violation (no ContractFixWarning), the last one is raised
+        for r in repairs:
+            exc = violation_from_raw(r.raw, site, r.partner)
+            _record_and_message(exc, site, _modes.FIX, False)
+        raise exc
     keys: list[tuple[str, str | None, str, str, str]] = []
     messages: list[str] = []
     for r in repairs:
         exc = violation_from_raw(r.raw, site, r.partner)
-        if r.new is None:
-            _record_and_message(exc, site, _modes.FIX, False)
-            raise exc
         msg, _ = _record_and_message(exc, site, _modes.FIX, True)
         what = fixed_message(cc, r, exc)
         keys.append((exc.op, exc.arg, exc.rule, str(site) if site else "?", _modes.FIX.value))
@@ -657,6 +661,7 @@ def make_guard(fn: Callable[..., Any], cc: CompiledContract | None = None, *,
     """
     if cc is None and factory is None:
         raise TypeError("make_guard needs a compiled contract or a factory")
+    _modes.check_setting()  # a bad OPCONTRACTS_MODE stops the start-up, not a call
     if op is None:
         assert cc is not None
         op = cc.contract.op

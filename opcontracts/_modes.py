@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from .errors import SettingError
 
-__all__ = ["Mode", "set_mode", "get_mode", "mode", "current_state", "mode_for"]
+__all__ = ["Mode", "set_mode", "get_mode", "mode", "current_state", "mode_for", "check_setting"]
 
 
 class Mode(str, enum.Enum):
@@ -69,14 +69,30 @@ class _State:
         return _State(self.default, MappingProxyType(d))
 
 
+_setting_error: list[str] = []  # the message of a bad OPCONTRACTS_MODE, if any
+
+
 def _initial() -> _State:
     """The starting mode, from ``OPCONTRACTS_MODE``.  A value that is not a mode stops the
-    start-up (``import opcontracts`` raises ``SettingError``): falling back to ``warn`` would
-    let a CI typo (``OPCONTRACTS_MODE=stirct``) silently weaken checking."""
+    start-up of a job: falling back to ``warn`` would let a CI typo
+    (``OPCONTRACTS_MODE=stirct``) silently weaken checking.  ``import opcontracts`` itself
+    still works (so ``opcontracts env`` can show what is wrong); every way of checking calls
+    raises ``SettingError`` naming the variable: ``import opcontracts.patch``, creating a guard
+    (``@enforce``, the patch's), ``get_mode()`` (``check_setting``)."""
     raw = os.environ.get("OPCONTRACTS_MODE", "").strip()
     if not raw:
         return _State(WARN)
-    return _State(parse_mode(raw, where="OPCONTRACTS_MODE"))
+    try:
+        return _State(parse_mode(raw, where="OPCONTRACTS_MODE"))
+    except SettingError as exc:
+        _setting_error.append(str(exc))
+        return _State(WARN)  # never used to check a call: check_setting() raises first
+
+
+def check_setting() -> None:
+    """Raise ``SettingError`` if ``OPCONTRACTS_MODE`` held a value that is not a mode."""
+    if _setting_error:
+        raise SettingError(_setting_error[0])
 
 
 _global_state = _initial()
@@ -118,6 +134,7 @@ def mode_for(op: str) -> Mode:
 
 def get_mode(op: str | None = None) -> str:
     """The current mode (for ``op`` when given) as a string."""
+    check_setting()
     s = current_state()
     return (s.default if op is None else s.for_op(op)).value
 

@@ -204,12 +204,25 @@ def _merge_arg(a: Arg, b: Arg) -> Arg:
     for k, v in b.model_dump(by_alias=False).items():
         if data.get(k) in (None, False) and v not in (None, False):
             data[k] = v
+    # size limits name the sizes of a shape: they go with the shape they were written for
+    # (one contract's shape with the other's dims may name sizes it does not have)
+    if a.shape is not None and b.shape is not None and a.shape != b.shape:
+        named = _names(a.shape)  # a's shape is kept: b's limits only on sizes it names
+        dims = {k: v for k, v in (b.dims or {}).items() if k in named}
+        dims.update(a.dims or {})
+        data["dims"] = {k: v.model_dump() for k, v in dims.items()} or None
     if a.dtype is not None and b.dtype is not None:
         inter = tuple(d for d in a.dtype if d in b.dtype)
         data["dtype"] = inter or (b.dtype if len(b.dtype) < len(a.dtype) else a.dtype)
     data["optional"] = a.optional and b.optional
     data["source"] = join_sources(a.source, b.source)
     return Arg.model_validate({("list" if k == "tensor_list" else k): v for k, v in data.items()})
+
+
+def _names(shapes: tuple[str, ...]) -> set[str]:
+    from ._shapes import parse_shape
+
+    return {n for sh in shapes for n in parse_shape(sh).names}
 
 
 def join_sources(*sources: str | None) -> str | None:

@@ -14,11 +14,13 @@ import sys
 from typing import TYPE_CHECKING
 
 from . import _registry
+from ._envwarn import warn_setting
+from .errors import OpContractsError
 
 if TYPE_CHECKING:
     from .spec import Contract
 
-__all__ = ["use"]
+__all__ = ["use", "env_contracts"]
 
 
 def use(*paths: str | os.PathLike[str], replace: bool = False) -> list[Contract]:
@@ -48,3 +50,37 @@ def use(*paths: str | os.PathLike[str], replace: bool = False) -> list[Contract]
     if patch is not None and patch.is_applied() and any(c.targets for c in contracts):
         patch.apply()
     return contracts
+
+
+def env_contracts() -> list[Contract]:
+    """The contracts of the files and folders named in ``OPCONTRACTS_CONTRACTS`` (loaded, not
+    registered; ``import opcontracts.patch``, ``opcontracts run`` and ``opcontracts list`` read
+    them through here, and this module applies no patch, so ``list`` has no side effect).
+
+    A user's file never kills the job: a path that does not exist, or a file with any
+    problem, is skipped with one ``RuntimeWarning`` that names the file, the contract and the
+    field of every problem, shown once, at the user's start-up line.  A folder's good files
+    still load when one of them is bad.
+    """
+    raw = os.environ.get("OPCONTRACTS_CONTRACTS", "")
+    out: list[Contract] = []
+    parts = [p.strip() for p in raw.split(os.pathsep) if p.strip()]
+    if not parts:
+        return out
+    from .spec import contract_files, load_contracts
+
+    for part in parts:
+        try:
+            files = contract_files(part)
+        except OpContractsError as exc:
+            warn_setting("OPCONTRACTS_CONTRACTS", f"{exc}; skipped")
+            continue
+        for f in files:
+            try:
+                out.extend(load_contracts(f))
+            except OpContractsError as exc:  # the message names the file and field
+                warn_setting("OPCONTRACTS_CONTRACTS", f"{exc}; skipped")
+            except Exception as exc:  # noqa: BLE001 - not ours to crash on: skip, and say so
+                warn_setting("OPCONTRACTS_CONTRACTS", f"{f}: could not be loaded "
+                             f"({type(exc).__name__}: {exc}); skipped")
+    return out

@@ -151,19 +151,17 @@ def _contract_paths() -> list[str]:
 
 def _load_for_list(extra: Sequence[str]) -> list[Contract]:
     """Every contract a job would load: the shipped ones, the files of
-    ``OPCONTRACTS_CONTRACTS`` (loaded by the patch's own ``_user_contracts``: a bad file is
-    skipped with its warning, as in a job), then ``--contracts`` (a bad file is an error:
-    asked for by name on this command line)."""
+    ``OPCONTRACTS_CONTRACTS`` (loaded by ``_use.env_contracts``, as the patch loads them: a
+    bad file is skipped with its warning, as in a job), then ``--contracts`` (a bad file is an
+    error: asked for by name on this command line)."""
     from . import _registry
     from .spec import load_contracts
 
     _registry.load_shipped()
     if _contract_paths():
-        # importing opcontracts.patch applies it in this short-lived process; nothing here
-        # calls a guarded op, and the loading is then exactly the one a job does
-        from .patch import _user_contracts
+        from ._use import env_contracts  # the loading a job does, without applying the patch
 
-        _registry.register(_user_contracts(), replace=True)
+        _registry.register(env_contracts(), replace=True)
     for path in extra:
         _registry.register(load_contracts(path), replace=True)
     return _registry.all_contracts()

@@ -17,14 +17,14 @@ the import hook; ``patched()`` lists what is wrapped and where.
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from . import _registry
+from . import _modes, _registry
 from ._envwarn import warn_setting
 from ._patcher import Patcher, PatchRecord
+from ._use import env_contracts
 from .errors import OpContractsError
 
 if TYPE_CHECKING:
@@ -36,35 +36,9 @@ _patcher = Patcher()
 
 
 def _user_contracts() -> list[Contract]:
-    """The contracts of the files and folders named in ``OPCONTRACTS_CONTRACTS``.
-
-    A user's file never kills the job: a path that does not exist, or a file with any
-    problem, is skipped with one ``RuntimeWarning`` that names the file, the contract and the
-    field of every problem, shown once, at the user's start-up line.  A folder's good files
-    still load when one of them is bad.
-    """
-    raw = os.environ.get("OPCONTRACTS_CONTRACTS", "")
-    out: list[Contract] = []
-    parts = [p.strip() for p in raw.split(os.pathsep) if p.strip()]
-    if not parts:
-        return out
-    from .spec import contract_files, load_contracts
-
-    for part in parts:
-        try:
-            files = contract_files(part)
-        except OpContractsError as exc:
-            warn_setting("OPCONTRACTS_CONTRACTS", f"{exc}; skipped")
-            continue
-        for f in files:
-            try:
-                out.extend(load_contracts(f))
-            except OpContractsError as exc:  # the message names the file and field
-                warn_setting("OPCONTRACTS_CONTRACTS", f"{exc}; skipped")
-            except Exception as exc:  # noqa: BLE001 - not ours to crash on: skip, and say so
-                warn_setting("OPCONTRACTS_CONTRACTS", f"{f}: could not be loaded "
-                             f"({type(exc).__name__}: {exc}); skipped")
-    return out
+    """The contracts of ``OPCONTRACTS_CONTRACTS`` (``_use.env_contracts``: bad files are
+    warned about and skipped)."""
+    return env_contracts()
 
 
 def apply(contracts: Iterable[Contract] | None = None) -> list[PatchRecord]:
@@ -85,7 +59,12 @@ def apply(contracts: Iterable[Contract] | None = None) -> list[PatchRecord]:
         targets = {}
     # contracts registered in code or by earlier apply() calls (validated already)
     for op in sorted({c.op for c in _registry.all_contracts()}):
-        res = _registry.resolve(op)
+        try:
+            res = _registry.resolve(op)
+        except OpContractsError as exc:  # contracts that cannot be merged: the job goes on
+            warn_setting("opcontracts.patch", f"the contracts of {op} cannot be used "
+                         f"together, so its targets are not guarded: {exc}")
+            continue
         if res is not None and res.targets:
             targets[op] = tuple(dict.fromkeys(targets.get(op, ()) + res.targets))
     _patcher.apply(sorted(targets.items()))
@@ -119,4 +98,5 @@ def is_applied() -> bool:
     return _patcher.active
 
 
+_modes.check_setting()  # OPCONTRACTS_MODE=stirct stops the job here, naming the variable
 apply()

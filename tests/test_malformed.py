@@ -221,7 +221,7 @@ def test_a_folder_of_them_is_one_error_listing_every_file(corpus: Path):
 
 def test_through_the_environment_every_file_is_skipped_with_a_warning(corpus: Path, monkeypatch):
     from opcontracts import _envwarn
-    from opcontracts.patch import _user_contracts
+    from opcontracts._use import env_contracts as _user_contracts
 
     good = corpus.parent / "good_contracts"
     good.mkdir(exist_ok=True)

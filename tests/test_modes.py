@@ -43,12 +43,15 @@ def test_default_mode_is_warn():
 
 def test_env_var_sets_mode_and_a_bad_value_stops_the_start_up():
     # a CI typo must not silently weaken checking: OPCONTRACTS_MODE=loud used to fall back to
-    # warn with a warning at an internal line; now the import fails, naming the variable
+    # warn with a warning at an internal line; now the start-up of a job fails, naming the
+    # variable: the patch's import, a decorated function's definition, get_mode()
     code = "import opcontracts; print(opcontracts.get_mode())"
     env = {**os.environ, "OPCONTRACTS_MODE": "strict"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.stdout.strip() == "strict"
-    for line in (code, "import opcontracts.patch"):
+    decorated = ("import opcontracts\n@opcontracts.enforce(opcontracts.Contract('o', "
+                 "{'x': opcontracts.Arg('bf16')}))\ndef f(x): return x\n")
+    for line in (code, "import opcontracts.patch", decorated):
         env["OPCONTRACTS_MODE"] = "loud"
         out = subprocess.run([sys.executable, "-c", line], env=env, capture_output=True, text=True)
         assert out.returncode == 1 and out.stdout == ""

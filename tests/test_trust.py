@@ -382,3 +382,39 @@ def test_messages_say_what_to_do() -> None:
     assert v.fix is not None
     v = _violation(lst, [torch.ones(1), torch.ones(1, dtype=torch.int32)])
     assert v.fix is not None and "x[1]" in v.fix
+
+
+def test_merging_a_user_contract_never_kills_the_job(tmp_path: Any) -> None:
+    """One contract's shape with another's size limits made an invalid merged rule, and
+    `patch.apply()` died resolving it."""
+    f = tmp_path / "user.toml"
+    f.write_text('[[contract]]\nop = "npu_swiglu"\nwhen = {cann = ">=99"}\nsource = "user"\n'
+                 '[contract.args.self]\nshape = "N H"\ndims = {H = {le = 4}}\n')
+    opcontracts.set_versions(cann="unknown")
+    try:
+        _registry.load_shipped()
+        _registry.register(opcontracts.load_contracts(f))
+        merged = _registry.resolve("npu_swiglu")
+        assert merged is not None and "user" in (merged.source or "")
+        patch.unpatch()
+        patch.apply()
+    finally:
+        patch.unpatch()
+        opcontracts.set_versions(cann=None)
+
+
+def test_fix_mode_that_refuses_a_call_warns_no_fix() -> None:
+    """A call with a castable dtype and an unrepairable shape fails: no 'fixed' warning."""
+    c = Contract("trust_fixrefuse", {"x": Arg("bf16", "N H"), "w": Arg("bf16", "H")})
+
+    @opcontracts.enforce(c)
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x
+
+    opcontracts.set_mode("fix")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(ContractViolation, match="'w'"):
+            f(torch.ones(2, 4), torch.ones(5, dtype=torch.bfloat16))
+    assert not [w for w in caught if issubclass(w.category, opcontracts.ContractFixWarning)]
+    assert {(r.arg, r.fixed) for r in opcontracts.report().records} == {("x", 0), ("w", 0)}
