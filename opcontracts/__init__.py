@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ._modes import get_mode, mode, set_mode
-from ._report import Report, report, reset_report
+from ._report import Report, ReportFileError, report, reset_report
 from .errors import (
     ContractFileError,
     ContractFixWarning,
@@ -65,6 +65,7 @@ __all__ = [
     "ContractWarning",
     "OpContractsError",
     "Report",
+    "ReportFileError",
     "SettingError",
     "UnknownOpError",
     "ValueRule",
