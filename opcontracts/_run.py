@@ -1,17 +1,23 @@
 """``opcontracts run``: run a user's script or module with ``opcontracts.patch`` applied.
 
-    opcontracts run [--mode MODE] [--nan-check] [--report FILE] script.py [args ...]
-    opcontracts run [--mode MODE] [--nan-check] [--report FILE] -m module [args ...]
+    opcontracts run [--mode MODE] [--nan-check] [--compare [RATE]] [--record FILE
+                    [--record-target mod.fn ...]] [--report FILE] [--quiet] script.py [args ...]
+    opcontracts run [options] -m module [args ...]
 
 Why: guarding a job should not need an edit of the job.  The script runs as ``python`` would
 run it (as ``coverage run`` does): ``sys.argv`` is ``[script, *args]``, ``__name__`` is
 ``"__main__"``, ``sys.path[0]`` is the script's folder (the current folder for ``-m``).  Options
 are read up to the script name; every word after it belongs to the script.
 
-At exit (also after an exception or Ctrl-C) the violation report is printed to stderr, with the
-NaN sentinel's finding when ``--nan-check`` is on; ``--report FILE`` also writes it as JSON
-(``report.rank{R}.json`` per rank under torchrun).  The exit status is the script's: its
-``SystemExit`` code, 1 (with the traceback) for an uncaught exception, 130 for Ctrl-C.
+At exit (also after an exception or Ctrl-C) the violation report is printed to stderr, then
+what was checked (guarded targets, calls checked, ops seen, calls skipped by mode: a report with
+no violations means something only next to it), the NaN sentinel's finding (``--nan-check``) and
+the shadow compare's (``--compare``); ``--record FILE`` writes the golden run's contract file;
+``--report FILE`` also writes everything as JSON (``report.rank{R}.json`` per rank under
+torchrun).  Under torchrun the summary is printed once, by rank 0, merged over the ranks
+(``_rankmerge``).  ``--quiet`` prints nothing at exit unless there is a violation, a NaN finding
+or a divergence.  The exit status is the script's: its ``SystemExit`` code, 1 (with the
+traceback) for an uncaught exception, 130 for Ctrl-C.
 """
 
 from __future__ import annotations
@@ -27,11 +33,15 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from ._stats import CallStats
+    from .compare import ShadowCompare
     from .nan import NanSentinel
+    from .record import Recorder
 
 __all__ = ["RunOptions", "UsageError", "main", "parse", "run"]
 
-USAGE = ("usage: opcontracts run [--mode MODE] [--nan-check] [--report FILE] "
+USAGE = ("usage: opcontracts run [--mode MODE] [--nan-check] [--compare [RATE]] "
+         "[--record FILE [--record-target mod.fn]] [--report FILE] [--quiet] "
          "(script.py | -m module) [args ...]")
 HELP = f"""{USAGE}
 
@@ -42,7 +52,19 @@ options (before the script name; everything after it goes to the script):
   --mode MODE      strict, warn, fix or off (default: OPCONTRACTS_MODE, else warn)
   --nan-check      watch the guarded ops for the first one that produces NaN/inf
                    (opcontracts.nan); its finding is printed with the report
+  --compare [RATE] compare guarded calls with their plain-PyTorch references (forward and
+                   backward, msprobe's thresholds; opcontracts.compare); RATE is the fraction
+                   of calls compared (seeded; default 1)
+  --record FILE    record the dtypes, ranks and constant arguments of every guarded call and
+                   write them as a contract file (a golden run: use it later with
+                   OPCONTRACTS_CONTRACTS=FILE to flag any drift)
+  --record-target mod.fn
+                   also record calls of this callable (no contract needed; repeatable)
   --report FILE    also write the report as JSON (FILE.rank{{R}}.json per rank when distributed)
+  --quiet          print nothing at exit unless there is a contract violation, a NaN finding or
+                   a divergence (suppressed: the "no contract violations" line, the summary of
+                   what was checked, the all-clear paragraphs of --nan-check and --compare, and
+                   the "report written" / "recorded" lines; the files are still written)
   -m module        run a library module as a script (like python -m)
   -h, --help       show this help
 
@@ -64,6 +86,10 @@ class RunOptions:
     args: list[str] = field(default_factory=list)
     mode: str | None = None
     nan_check: bool = False
+    compare: float | None = None  # the sample rate, None: off
+    record: str | None = None
+    record_targets: list[str] = field(default_factory=list)
+    quiet: bool = False
     report: str | None = None
     help: bool = False
 
@@ -95,6 +121,27 @@ def parse(argv: Sequence[str]) -> RunOptions:
             opts.mode = m
         elif w == "--nan-check":
             opts.nan_check = True
+        elif w == "--compare" or w.startswith("--compare="):
+            opts.compare = 1.0
+            raw = w.split("=", 1)[1] if "=" in w else None
+            if raw is None and i + 1 < len(words) and _is_rate(words[i + 1]):
+                i += 1
+                raw = words[i]
+            if raw is not None:
+                if not _is_rate(raw):
+                    raise UsageError(f"--compare: the rate must be a number in [0, 1], "
+                                     f"got {raw!r}")
+                opts.compare = float(raw)
+        elif w == "--record" or w.startswith("--record="):
+            opts.record = value("--record", w)
+        elif w == "--record-target" or w.startswith("--record-target="):
+            t = value("--record-target", w)
+            if "." not in t or not all(part.isidentifier() for part in t.split(".")):
+                raise UsageError(f"--record-target: expected a dotted path such as "
+                                 f"'mypkg.model.route', got {t!r}")
+            opts.record_targets.append(t)
+        elif w == "--quiet":
+            opts.quiet = True
         elif w == "--report" or w.startswith("--report="):
             opts.report = value("--report", w)
         elif w == "-m" or (w.startswith("-m") and len(w) > 2 and not w.startswith("--")):
@@ -115,9 +162,22 @@ def parse(argv: Sequence[str]) -> RunOptions:
     raise UsageError("a script or -m module is required")
 
 
+def _is_rate(word: str) -> bool:
+    try:
+        return 0.0 <= float(word) <= 1.0
+    except ValueError:
+        return False
+
+
+def _check(opts: RunOptions) -> RunOptions:
+    if opts.record_targets and opts.record is None:
+        raise UsageError("--record-target needs --record FILE (where to write the golden run)")
+    return opts
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        opts = parse(sys.argv[1:] if argv is None else argv)
+        opts = _check(parse(sys.argv[1:] if argv is None else argv))
     except UsageError as exc:
         print(f"{USAGE}\nopcontracts run: error: {exc}", file=sys.stderr)
         return 2
@@ -205,16 +265,13 @@ def run(opts: RunOptions) -> int:
     if opts.mode is not None:
         prev_mode = opcontracts.set_mode(opts.mode)
         os.environ["OPCONTRACTS_MODE"] = opts.mode  # for processes the script starts
-    sentinel: NanSentinel | None = None
-    if opts.nan_check:
-        from .nan import NanSentinel
-
-        sentinel = NanSentinel().enable()
+    watchers = _Watchers(opts)
     status = 1
     try:
+        watchers.start()
         status = _execute(opts)
     finally:
-        nan_result = sentinel.disable() if sentinel is not None else None
+        results = watchers.stop()
         sys.argv = saved_argv
         if saved_path0 is not None:
             sys.path[0] = saved_path0
@@ -224,34 +281,222 @@ def run(opts: RunOptions) -> int:
                 os.environ.pop("OPCONTRACTS_MODE", None)
             else:
                 os.environ["OPCONTRACTS_MODE"] = saved_env
-        _finish(opts, nan_result)
+        _finish(opts, results)
         if not was_patched:
             patch.unpatch()
     return status
 
 
-def _finish(opts: RunOptions, nan_result: Any) -> None:
-    """Print the report (and the sentinel's finding) to stderr; write the JSON if asked."""
+# --------------------------------------------------------------------------- observers
+@dataclass
+class _Results:
+    stats: Any = None       # RunStats
+    nan: Any = None         # NanResult
+    compare: Any = None     # CompareResult
+    recorder: Recorder | None = None
+    problems: list[str] = field(default_factory=list)
+
+
+class _Watchers:
+    """The observers of the guarded calls a run attaches (``_observe``): the call statistics
+    always, the sentinel, the compare and the recorder when asked."""
+
+    def __init__(self, opts: RunOptions) -> None:
+        self.opts = opts
+        self.stats: CallStats | None = None
+        self.sentinel: NanSentinel | None = None
+        self.compare: ShadowCompare | None = None
+        self.recorder: Recorder | None = None
+        self.problems: list[str] = []
+
+    def start(self) -> None:
+        from . import _observe
+        from ._stats import CallStats
+
+        self.stats = CallStats()
+        _observe.attach(self.stats, who="opcontracts run")
+        if self.opts.nan_check:
+            from .nan import NanSentinel
+
+            self.sentinel = NanSentinel().enable()
+        if self.opts.compare is not None:
+            from .compare import ShadowCompare
+
+            self.compare = ShadowCompare(sample=self.opts.compare).enable()
+        if self.opts.record is not None:
+            from .record import Recorder
+
+            watch = {t: t for t in self.opts.record_targets}
+            try:
+                self.recorder = Recorder(watch=watch).enable()
+            except _observe.WatchError as exc:
+                self.problems.append(f"--record-target: {exc}")
+                self.recorder = Recorder().enable()
+
+    def stop(self) -> _Results:
+        from . import _observe
+
+        out = _Results(problems=self.problems)
+        if self.sentinel is not None:
+            out.nan = self.sentinel.disable()
+        if self.compare is not None:
+            out.compare = self.compare.disable()
+        if self.recorder is not None:
+            out.recorder = self.recorder.disable()
+        if self.stats is not None:
+            _observe.detach(self.stats)
+            out.stats = self.stats.snapshot()
+        return out
+
+
+# --------------------------------------------------------------------------- the end of a run
+def _world() -> tuple[int | None, int]:
+    from ._report import current_rank
+
+    rank = current_rank()
+    ws = os.environ.get("WORLD_SIZE", "")
+    world = int(ws) if ws.isdigit() else 1
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            world = dist.get_world_size()
+    except Exception:  # pragma: no cover - a broken backend must not hide the report
+        pass
+    return rank, world
+
+
+def _payload(rep: Any, res: _Results) -> dict[str, Any]:
+    return {
+        "report": rep.to_dict(),
+        "checked": res.stats.to_dict() if res.stats is not None else None,
+        "nan_sentinel": res.nan.to_dict() if res.nan is not None else None,
+        "shadow_compare": res.compare.to_dict() if res.compare is not None else None,
+    }
+
+
+def _finish(opts: RunOptions, res: _Results) -> None:
+    """Write the files (report JSON, golden run), then print the summary to stderr: rank 0
+    alone, merged over the ranks, under torchrun."""
     from . import _report
 
     try:
         sys.stdout.flush()
     except Exception:  # pragma: no cover - a closed stdout must not hide the report
         pass
-    rep = _report.report()
     err = sys.stderr
-    print("", file=err)
-    print(rep.table(), file=err)
-    if nan_result is not None:
-        print("", file=err)
-        print(nan_result.summary(), file=err)
+    rep = _report.report()
+    rank, world = _world()
+    if res.stats is not None and rank is not None:
+        res.stats.ranks = [rank]
+    notes: list[str] = []
+    if res.recorder is not None and opts.record:
+        try:
+            golden = res.recorder.write(_report.report_path_for_rank(opts.record, rank),
+                                        script=opts.script or f"-m {opts.module}")
+            n = len(res.recorder.calls())
+            notes.append(f"opcontracts: golden run recorded to {golden} ({n} op(s)); use it "
+                         f"with OPCONTRACTS_CONTRACTS={golden}")
+        except OSError as exc:
+            res.problems.append(f"--record: cannot write {opts.record}: {exc}")
+    payload = _payload(rep, res)
     if opts.report:
         path = _report.write_report(opts.report, rep)
-        if nan_result is not None:
+        try:
             with open(path, encoding="utf-8") as f:
                 data = json.load(f)
-            data["nan_sentinel"] = nan_result.to_dict()
+            data.update({k: v for k, v in payload.items() if k != "report" and v is not None})
             with open(path, "w", encoding="utf-8") as f:
                 f.write(json.dumps(data, indent=2))
-        print(f"opcontracts: report written to {path}", file=err)
+        except (OSError, ValueError) as exc:  # pragma: no cover - the report itself is written
+            res.problems.append(f"--report: cannot add the run's sections to {path}: {exc}")
+        notes.append(f"opcontracts: report written to {path}")
+    parts: list[dict[str, Any]] | None = None
+    if world > 1 and rank is not None:
+        from ._rankmerge import exchange
+
+        parts = exchange(payload, rank, world)
+    if parts == []:  # another rank: rank 0 prints for everyone
+        lines: list[str] = []
+    elif parts:
+        lines = _merged_lines(parts, world, opts.quiet)
+    else:
+        lines = _summary_lines(rep, res, opts.quiet)
+    if lines or not opts.quiet:
+        lines += notes
+    lines += [f"opcontracts run: {p}" for p in res.problems]
+    if lines:
+        print("", file=err)
+        print("\n".join(lines), file=err)
     err.flush()
+
+
+def _findings(res: _Results) -> bool:
+    nan, cmp = res.nan, res.compare
+    return bool((nan is not None and (nan.first is not None or nan.received is not None))
+                or (cmp is not None and cmp.first is not None))
+
+
+def _summary_lines(rep: Any, res: _Results, quiet: bool) -> list[str]:
+    """This process's summary: violations, what was checked, the findings."""
+    if quiet and not rep.records and not _findings(res):
+        return []
+    lines: list[str] = []
+    stats = res.stats
+    if rep.records:
+        lines.append(rep.table())
+    elif stats is None or stats.checked:
+        lines.append("opcontracts: no contract violations.")
+    if stats is not None:
+        lines += stats.lines()
+    if res.nan is not None:
+        lines += ["", res.nan.summary()]
+    if res.compare is not None:
+        lines += ["", res.compare.summary()]
+    return lines
+
+
+def _merged_lines(parts: list[dict[str, Any]], world: int, quiet: bool) -> list[str]:
+    """Rank 0's summary for the whole job, from every rank's part."""
+    from ._report import Report, merge_reports
+    from ._stats import RunStats, merge_stats
+
+    ranks = sorted(int(p["rank"]) for p in parts)
+    reports = []
+    for p in parts:
+        r = Report.from_dict(p["report"])
+        for rec in r.records:
+            if not rec.ranks:
+                rec.ranks = [int(p["rank"])]
+        reports.append(r)
+    merged = merge_reports(reports)
+    stats = merge_stats([RunStats.from_dict({**p["checked"], "ranks": [p["rank"]]})
+                         for p in parts if p.get("checked")])
+    found = [(p["rank"], k, p[k]) for p in parts for k in ("nan_sentinel", "shadow_compare")
+             if p.get(k) and p[k].get("first")]
+    if quiet and not merged.records and not found:
+        return []
+    lines = [f"opcontracts: summary of {len(parts)} of {world} rank(s)"
+             + ("" if len(parts) == world else
+                f" (no summary from rank(s) {','.join(str(r) for r in range(world) if r not in ranks)}"
+                " in time: see their report files)")]
+    if merged.records:
+        lines.append(merged.table())
+    elif stats.checked:
+        lines.append("opcontracts: no contract violations.")
+    lines += stats.lines()
+    for key, label in (("nan_sentinel", "NaN sentinel"), ("shadow_compare", "shadow compare")):
+        present = [p for p in parts if p.get(key) is not None]
+        if not present:
+            continue
+        hits = [(p["rank"], p[key]["first"]) for p in present if p[key].get("first")]
+        if not hits:
+            lines.append(f"{label}: nothing found on any rank")
+            continue
+        lines.append(f"{label}: first finding per rank")
+        for r, e in sorted(hits):
+            where = e.get("module") or e.get("module_type") or "?"
+            what = e.get("argument") or e.get("arg") or "?"
+            lines.append(f"  rank {r}: {e['direction']}, {e['op']}, {what} [{where}] at "
+                         f"{e.get('call_site') or '?'}")
+    return lines

@@ -14,6 +14,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 import opcontracts
 from opcontracts import _run
@@ -72,9 +73,34 @@ def test_nan_check_names_the_unpermute_backward(tmp_path: Path) -> None:
 
 
 def test_fixed_example_is_clean_in_strict_mode() -> None:
-    p = _run_cli("--mode", "strict", "examples/moe_step_fixed.py")
+    p = _run_cli("--mode", "strict", "--compare", "examples/moe_step_fixed.py")
     assert p.returncode == 0, p.stderr
     assert "opcontracts: no contract violations." in p.stderr
+    # what was checked, not only what was not violated (issue 13, item 20)
+    assert "opcontracts: checked 6 of 6 guarded call(s); 6 of " in p.stderr
+    assert "mindspeed.npu_moe_token_unpermute x1" in p.stderr
+    assert "shadow compare: 6 call(s) compared with their reference (4 with gradients); " \
+           "no divergence" in p.stderr
+    quiet = _run_cli("--quiet", "--mode", "strict", "--compare", "examples/moe_step_fixed.py")
+    assert quiet.returncode == 0, quiet.stderr
+    assert "opcontracts:" not in quiet.stderr and "shadow compare" not in quiet.stderr
+
+
+def test_compare_catches_the_finite_garbage_the_sentinel_misses(tmp_path: Path) -> None:
+    report = tmp_path / "c.json"
+    p = _run_cli("--mode", "off", "--nan-check", "--compare", "--report", str(report),
+                 "examples/moe_step.py", "--seed", "0")
+    assert p.returncode == 1, p.stderr  # the script's own: its grad norm overflows
+    err = p.stderr
+    assert "NaN sentinel: no guarded op produced NaN or inf" in err  # finite garbage
+    assert "divergence from the reference: backward, in npu_moe_token_unpermute_grad" in err
+    assert "call site:  examples/moe_step.py:" in err
+    assert "checked 0 of 6 guarded call(s)" in err and "skipped by mode off: 6 call(s)" in err
+    data = json.loads(report.read_text())
+    cmp = data["shadow_compare"]
+    assert cmp["first"]["op"] == "npu_moe_token_unpermute_grad" and cmp["checked"] == 6
+    assert cmp["first"]["backward_of"] == "npu_moe_token_unpermute"
+    assert data["checked"]["skipped"] == 6 and data["nan_sentinel"]["first"] is None
 
 
 def test_raising_script_status_1_traceback_and_report_still_printed(tmp_path: Path) -> None:
@@ -103,7 +129,8 @@ def test_module_with_args_exit_status_and_sys_path(tmp_path: Path) -> None:
     seen = json.loads(p.stdout)
     assert seen["argv"] == [str(pkg / "cli.py"), "a", "--mode", "b"]  # as python -m gives
     assert seen["name"] == "__main__" and Path(seen["path0"]) == tmp_path
-    assert "no contract violations" in p.stderr
+    assert "opcontracts: nothing was checked" in p.stderr  # and no "no violations" claim
+    assert "no contract violations" not in p.stderr
 
 
 # --------------------------------------------------------------------------- in-process
@@ -131,7 +158,7 @@ def test_script_sees_argv_name_path_and_mode_then_state_is_restored(
     seen = json.loads(out)
     assert seen == {"argv": [str(script), "x", "-m", "--report"], "name": "__main__",
                     "path0": str(tmp_path), "mode": "strict"}
-    assert "opcontracts: no contract violations." in err
+    assert "opcontracts: nothing was checked" in err
     assert sys.argv == argv and sys.path[0] == path0 and opcontracts.get_mode() == mode
     assert sys.modules["opcontracts.patch"].is_applied() == patched
     assert os.environ.get("OPCONTRACTS_MODE") == env
@@ -147,7 +174,7 @@ def test_exit_statuses(tmp_path: Path, capsys: pytest.CaptureFixture[str], body:
                        status: int, stderr: str) -> None:
     assert _run.main([str(_script(tmp_path, body))]) == status
     err = capsys.readouterr().err
-    assert stderr in err and "opcontracts: no contract violations." in err
+    assert stderr in err and "opcontracts: nothing was checked" in err
 
 
 def test_report_is_per_rank_under_torchrun(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -179,6 +206,35 @@ def test_missing_script_and_module(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "No module named no_such_module_here" in capsys.readouterr().err
 
 
+def test_quiet_prints_only_violations(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    clean = _script(tmp_path, "print('hi')\n")
+    assert _run.main(["--quiet", "--nan-check", "--compare", str(clean)]) == 0
+    assert capsys.readouterr().err == ""
+    bad = tmp_path / "bad.py"
+    bad.write_text(textwrap.dedent("""
+        import opcontracts
+        from opcontracts import Arg, Contract
+        f = opcontracts.enforce(Contract("t.q", {"x": Arg("bf16")}))(lambda x: x)
+        import torch
+        f(torch.ones(2))
+    """))
+    assert _run.main(["--quiet", str(bad)]) == 0
+    err = capsys.readouterr().err
+    assert "1 contract violation(s)" in err and "t.q" in err
+
+
+def test_parse_compare_rate_record_and_quiet() -> None:
+    o = _run.parse(["--compare", "0.25", "--record", "g.toml", "--record-target", "m.f",
+                    "--quiet", "s.py", "x"])
+    assert (o.compare, o.record, o.record_targets, o.quiet, o.script, o.args) == (
+        0.25, "g.toml", ["m.f"], True, "s.py", ["x"])
+    assert _run.parse(["--compare", "s.py"]).compare == 1.0  # no rate given: every call
+    assert _run.parse(["--compare=0.5", "s.py"]).compare == 0.5
+    assert _run.parse(["s.py"]).compare is None
+    with pytest.raises(_run.UsageError, match="rate must be a number in"):
+        _run.parse(["--compare=2", "s.py"])
+
+
 def test_parse_stops_at_the_script_name() -> None:
     o = _run.parse(["--nan-check", "--mode", "FIX", "s.py", "--mode", "strict", "-m", "x"])
     assert (o.script, o.module, o.mode, o.nan_check) == ("s.py", None, "fix", True)
@@ -195,3 +251,56 @@ def test_help_through_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
 
     assert main(["run", "--help"]) == 0
     assert "everything after it goes to the script" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- torchrun
+DIST_JOB = """
+import sys
+import torch
+import torch.distributed as dist
+from opcontracts import emulation
+emulation.install("wide")
+import torch_npu  # noqa: E402
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(rank)
+x = torch.randn(8, 16, dtype=torch.bfloat16)
+idx = torch.stack([torch.randperm(4)[:2] for _ in range(8)])
+tokens, si = torch_npu.npu_moe_token_permute(x, idx)
+probs = torch.rand(8, 2).to(torch.float32 if rank == 1 else torch.bfloat16)
+torch_npu.npu_moe_token_unpermute(tokens, si, probs)
+if sys.argv[1] == "destroy":  # the summary then travels through torchrun's agent store
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+@pytest.mark.parametrize("end", ["keep", "destroy"])
+def test_torchrun_prints_one_merged_summary_on_rank0(tmp_path: Path, end: str) -> None:
+    import socket
+
+    script = tmp_path / "job.py"
+    script.write_text(DIST_JOB, encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPCONTRACTS_")}
+    env.update(OMP_NUM_THREADS="1", OPCONTRACTS_CANN_VERSION="8.0.RC3",
+               PYTHONWARNINGS="ignore")
+    for _attempt in range(2):  # a second try with a new port: a free port can be taken
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        p = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
+             "2", "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "opcontracts",
+             "run", "--compare", str(script), end],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+        if p.returncode == 0:
+            break
+    assert p.returncode == 0, p.stderr[-3000:]
+    err = p.stderr
+    assert err.count("opcontracts: summary of 2 of 2 rank(s)") == 1
+    assert err.count("guarded call(s)") == 1  # one summary, not one per rank
+    assert "checked 4 of 4 guarded call(s) on rank(s) 0,1" in err
+    table = err[err.index("opcontracts: 1 contract violation(s)"):]
+    assert "npu_moe_token_unpermute  probs  dtype  warn  1      1 " in table  # rank 1 only
+    assert "shadow compare: nothing found on any rank" in err

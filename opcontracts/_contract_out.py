@@ -1,0 +1,89 @@
+"""Contracts written out as TOML (``opcontracts run --record``, ``opcontracts probe
+--write-contract``): the subset contract files use, read back by ``load_contracts``.
+
+Python's ``tomllib`` only reads; this writes strings, booleans, integers, floats, lists of them
+and one level of inline tables (``when``, ``dims``), plus each contract's ``[contract.args.X]``
+tables.  TOML has no null: ``None`` values are left out by the callers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["dumps_contracts"]
+
+_BARE = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def _key(k: str) -> str:
+    return k if _BARE.match(k) else json.dumps(k)
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "nan"
+        if math.isinf(v):
+            return "inf" if v > 0 else "-inf"
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v, ensure_ascii=False)  # a JSON string is a TOML basic string
+    if isinstance(v, Mapping):
+        return "{" + ", ".join(f"{_key(str(k))} = {_value(x)}" for k, x in v.items()
+                               if x is not None) + "}"
+    if isinstance(v, Sequence):
+        return "[" + ", ".join(_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {type(v).__name__} {v!r} as TOML")
+
+
+def dumps_contracts(contracts: Sequence[Mapping[str, Any]], header: Sequence[str] = ()) -> str:
+    """``[[contract]]`` tables for plain-data contracts (``op``, ``targets``, ``source``,
+    ``when``, ``doc``, ``args``: name -> field -> value); ``header`` lines become comments."""
+    out = [f"# {line}".rstrip() for line in header]
+    for c in contracts:
+        if out:
+            out.append("")
+        out.append("[[contract]]")
+        for k, v in c.items():
+            if k == "args" or v is None:
+                continue
+            out.append(f"{_key(k)} = {_value(v)}")
+        for name, fields in dict(c.get("args", {})).items():
+            out.append("")
+            out.append(f"[contract.args.{_key(name)}]")
+            for k, v in fields.items():
+                if v is not None:
+                    out.append(f"{_key(k)} = {_value(v)}")
+    return "\n".join(out) + "\n"
+
+
+def stack() -> dict[str, str | None]:
+    """The detected versions a generated contract speaks for (``_versions.current()``), with
+    opcontracts' own; emulated packages marked."""
+    from . import __version__, _versions
+
+    env = _versions.current()
+    out: dict[str, str | None] = {"opcontracts": __version__}
+    for name in _versions.FIELDS:
+        v = getattr(env, name)
+        out[name] = f"{v} (emulation)" if v is not None and name in env.emulated else v
+    return out
+
+
+def stack_text() -> str:
+    """``opcontracts 0.1.0, torch 2.13.0, torch_npu 2.13.0 (emulation), cann unknown, ...``"""
+    return ", ".join(f"{k} {v or 'unknown'}" for k, v in stack().items())
+
+
+def utc_now() -> str:
+    import datetime
+
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
