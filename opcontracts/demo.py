@@ -30,7 +30,10 @@ or FSDP2 (``fully_shard``: DTensor parameters), each rank on its own data shard,
 on.  Each rank judges its own outcome against its own reference step, with gradient numbers
 summed over the ranks' shards; rank 0 prints once: the table with the ranks' merged outcome,
 the sentinel's first event on each rank with the module path as FSDP names it and as the model
-does (``_modpath.clean``), and the violations of every rank (``opcontracts.report(gather=True)``).
+does (``_modpath.clean``), the golden compare's first divergence in the unguarded step
+(``opcontracts.compare``, contracts off: it names the op even where the garbage is finite and
+the sentinel sees nothing yet), and the violations of every rank
+(``opcontracts.report(gather=True)``).
 
 The exit status is 0 only when all four outcomes are the described ones (on every rank), so CI
 can run it.
@@ -102,6 +105,7 @@ class Scenario:
     violation: dict[str, Any] | None = None  # op, arg, rule of a ContractViolation
     fixes: list[str] = field(default_factory=list)  # fix mode's repairs
     nan_check: dict[str, Any] | None = None  # the NaN sentinel's result (--nan-check)
+    compare: dict[str, Any] | None = None  # the golden compare's result (--ranks: unguarded)
     probs_grads: list[str] = field(default_factory=list)  # per router call: what reached its
     #                                  fp32 probs in backward ("finite", "non-finite", "none")
     ok: bool = False
@@ -145,7 +149,8 @@ class DistResult:
     nan: dict[str, dict[str, Any]]     # scenario -> the sentinel's findings over the ranks
     #                                    (``_dist.merge_nan``: first, firsts, seen_by, clean)
     report: dict[str, Any]             # every rank's violations, merged (report(gather=True))
-    compare: dict[str, Any] | None     # the golden compare's first divergence, when it exists
+    compare: dict[str, Any] | None     # the golden compare on the unguarded run, over the
+    #                                    ranks: first divergence (with its rank), firsts, checked
     wall_s: float                      # rank 0's: environment, four steps, gathering
 
     def to_dict(self) -> dict[str, Any]:
@@ -438,12 +443,12 @@ def _intro(seed: int, where: str) -> list[str]:
 
 def _run_all(scenarios: list[Scenario], model_mod: types.ModuleType, seed: int,
              batch: tuple[Any, Any], nan_check: bool, setting: _Setting,
-             say: Callable[[str], None]) -> None:
+             say: Callable[[str], None], compare: bool = False) -> None:
     ref: Scenario | None = None
     ref_step: _Step | None = None
     for i, sc in enumerate(scenarios, 1):
         say(f"[{i}/4] {sc.name}: {sc.description} ...")
-        step = _run_scenario(sc, model_mod, seed, batch, ref_step, nan_check, setting)
+        step = _run_scenario(sc, model_mod, seed, batch, ref_step, nan_check, setting, compare)
         if sc.name == "reference":
             ref, ref_step = sc, step
         _judge(sc, ref)
@@ -481,17 +486,23 @@ def _tolerance() -> dict[str, float]:
 
 def _run_scenario(sc: Scenario, model_mod: types.ModuleType, seed: int, batch: tuple[Any, Any],
                   ref: _Step | None, nan_check: bool, setting: _Setting = SINGLE,
-                  ) -> _Step | None:
-    """One training step in ``sc``'s mode; fills ``sc`` with what came out."""
+                  compare: bool = False) -> _Step | None:
+    """One training step in ``sc``'s mode; fills ``sc`` with what came out.  ``compare``: the
+    unguarded step also runs under the golden compare (``opcontracts.compare``: every guarded
+    call against its plain-PyTorch reference, contracts off)."""
     import opcontracts
     from opcontracts import ContractFixWarning, ContractViolation
 
     start = time.perf_counter()
-    sentinel = None
+    sentinel = shadow = None
     if nan_check and sc.name in ("unguarded", "fix"):
         from .nan import NanSentinel
 
         sentinel = NanSentinel().enable()
+    if compare and sc.name == "unguarded":
+        from .compare import ShadowCompare
+
+        shadow = ShadowCompare().enable()
     step: _Step | None = None
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -513,6 +524,9 @@ def _run_scenario(sc: Scenario, model_mod: types.ModuleType, seed: int, batch: t
         if sentinel is not None:
             result = sentinel.disable()
             sc.nan_check = {**result.to_dict(), "summary": result.summary()}
+        if shadow is not None:
+            found = shadow.disable()
+            sc.compare = {**found.to_dict(), "summary": found.summary()}
     _measure(sc, step, ref if ref is not None else step, setting)  # the reference: itself
     sc.seconds = time.perf_counter() - start
     return step
@@ -608,7 +622,7 @@ def run_rank(seed: int = 0, fsdp: int = 1, out: Callable[[str], None] | None = N
         scenarios = _scenarios()
         with _environment() as model_mod:
             _run_all(scenarios, model_mod, seed, _batch(seed, rank), True, _fsdp_setting(fsdp),
-                     say)
+                     say, compare=True)
         merged = opcontracts.report(gather=True)  # a collective: every rank calls it
         payloads = _demo_dist.all_gather(
             {"rank": rank, "scenarios": [_plain(asdict(sc)) for sc in scenarios]})
@@ -618,9 +632,9 @@ def run_rank(seed: int = 0, fsdp: int = 1, out: Callable[[str], None] | None = N
     ranks_ok = {sc.name: [r for r, scs in enumerate(per_rank) if scs[i].ok]
                 for i, sc in enumerate(scenarios)}
     ok = all(len(v) == world for v in ranks_ok.values())
-    return DistResult(ok, rank, world, fsdp, "gloo", PROFILE, seed, _tolerance(), scenarios, per_rank,
-                      ranks_ok, _first_events(per_rank), merged.to_dict(), _golden_compare(),
-                      wall)
+    return DistResult(ok, rank, world, fsdp, "gloo", PROFILE, seed, _tolerance(), scenarios,
+                      per_rank, ranks_ok, _first_events(per_rank), merged.to_dict(),
+                      _golden_compare(per_rank), wall)
 
 
 _NUMBERS = ("loss", "grad_norm", "max_abs_diff", "rel_err")
@@ -651,11 +665,30 @@ def _first_events(per_rank: list[list[Scenario]]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _golden_compare() -> dict[str, Any] | None:
-    """The place for the golden compare's first divergence (issue 16, ``opcontracts.compare``:
-    the unguarded step's fused ops against their plain-PyTorch references, contracts off).
-    That module is not in this tree yet: nothing to show, ``compare`` is null in the JSON."""
-    return None
+def _golden_compare(per_rank: list[list[Scenario]]) -> dict[str, Any] | None:
+    """The golden compare's findings on the unguarded run over the ranks: ``first`` (the lowest
+    rank's first divergence, with its ``rank`` and ``module_clean``), ``firsts`` (each distinct
+    first divergence with the ranks whose first it was), ``checked`` (calls compared, all
+    ranks); None when it did not run."""
+    from ._modpath import clean
+
+    found = [(r, sc.compare) for r, scs in enumerate(per_rank) for sc in scs
+             if sc.compare is not None]
+    if not found:
+        return None
+    groups: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for r, c in found:
+        e = c.get("first")
+        if e is not None:
+            key = (e["op"], e["direction"], e["argument"], e["module"])
+            groups.setdefault(key, {"event": {**e, "module_clean": clean(e["module"])},
+                                    "ranks": []})["ranks"].append(r)
+    first = next(({**g["event"], "rank": g["ranks"][0]} for g in groups.values()), None)
+    return {"first": first, "firsts": list(groups.values()),
+            "clean": [r for r, c in found if c.get("first") is None],
+            "checked": sum(int(c.get("checked", 0)) for _, c in found),
+            "summary": next((c["summary"] for _, c in found if c.get("first") is not None),
+                            found[0][1]["summary"])}
 
 
 def _rank_entry(seed: int, fsdp: int, json_path: str | None) -> int:
@@ -735,7 +768,7 @@ def _ranks_text(ranks: Sequence[int]) -> str:
 def format_dist(result: DistResult) -> str:
     """What rank 0 prints at the end of ``--ranks N``: the table (losses: the mean over the
     ranks; gradient numbers: the whole model's), the sentinel's first event on each rank, the
-    violations of every rank, the verdict."""
+    golden compare's first divergence, the violations of every rank, the verdict."""
     n = result.ranks
     everyone = list(range(n))
     rows: list[tuple[str, ...]] = [
@@ -758,11 +791,11 @@ def format_dist(result: DistResult) -> str:
     for name, nan in result.nan.items():
         lines.append("")
         lines.extend(_nan_text(name, nan, n))
-    lines.append("")
-    lines.append(_violations_text(result.report))
     if result.compare is not None:
         lines.append("")
-        lines.append(f"golden compare, first divergence: {result.compare}")
+        lines.extend(_compare_text(result.compare))
+    lines.append("")
+    lines.append(_violations_text(result.report))
     lines.append("")
     bad_names = [name for name, good in result.ranks_ok.items() if len(good) < n]
     verdict = (f"all four outcomes as described on every rank ({n} rank(s), FSDP{result.fsdp})"
@@ -797,6 +830,31 @@ def _nan_text(name: str, nan: dict[str, Any], n: int) -> list[str]:
     lines.extend("    " + ln for ln in aligned(rows))
     if nan["clean"]:
         lines.append(f"  silent on rank {_ranks_text(nan['clean'])}")
+    return lines
+
+
+def _compare_text(cmp: dict[str, Any]) -> list[str]:
+    """The golden compare on the unguarded run: its first divergence in full (the compare's
+    own wording, from the rank it came from) and each rank's first divergence, both paths."""
+    first = cmp["first"]
+    if first is None:
+        return [f"golden compare, unguarded run: no divergence on any rank ({cmp['checked']} "
+                "call(s) compared)"]
+    lines = [f"golden compare (opcontracts.compare, contracts off), unguarded run: first "
+             f"divergence on rank {first['rank']}"]
+    body = str(cmp["summary"]).splitlines()[1:]  # the first divergence, as the compare says it
+    cut = next((i for i, ln in enumerate(body) if ln.startswith("  then ")), len(body))
+    lines.extend("  " + ln for ln in body[:cut])
+    rows = [("ranks", "op", "direction", "module path in the job", "without wrappers")]
+    for g in cmp["firsts"]:
+        e = g["event"]
+        op = e["op"] + (f" (backward of {e['backward_of']})" if e.get("backward_of") else "")
+        rows.append((_ranks_text(g["ranks"]), op, e["direction"], e.get("module") or "-",
+                     e.get("module_clean") or "-"))
+    lines.append("  the first divergence of each rank:")
+    lines.extend("    " + ln for ln in aligned(rows))
+    if cmp["clean"]:
+        lines.append(f"  no divergence on rank {_ranks_text(cmp['clean'])}")
     return lines
 
 

@@ -133,6 +133,14 @@ def _assert_paths(data: dict[str, Any], raw: str) -> None:
         assert re.fullmatch(r"layers\.\d\.mlp", group["event"]["module_clean"])
         assert re.fullmatch(raw, group["event"]["module"])
     assert data["nan"]["fix"]["first"] is None and data["nan"]["fix"]["clean"] == [0, 1]
+    # the golden compare (contracts off) names the unpermute backward too, on every rank
+    cmp = data["compare"]
+    assert cmp["checked"] > 0 and cmp["first"]["direction"] == "backward"
+    assert "npu_moe_token_unpermute" in cmp["first"]["op"]
+    assert sorted(r for g in cmp["firsts"] for r in g["ranks"]) == [0, 1]
+    for group in cmp["firsts"]:
+        m = re.fullmatch(raw, group["event"]["module"])
+        assert m and group["event"]["module_clean"] == f"layers.{m.group(1)}.mlp"
 
 
 def _assert_report(data: dict[str, Any]) -> None:
@@ -160,6 +168,7 @@ def test_fsdp1_self_launched(fsdp1: tuple[subprocess.CompletedProcess[str], dict
     assert out.count("[1/4] reference") == 1
     assert "module path in the job" in out and "unwrapped: layers." in out
     assert "contract violations, every rank" in out
+    assert "golden compare (opcontracts.compare, contracts off)" in out
 
 
 @needs_gloo
