@@ -159,8 +159,12 @@ def test_op_schemas_is_a_library_api() -> None:
     assert "npu_moe_token_unpermute" not in digest.op_schemas("2.5.1")
 
 
-def test_reading_the_digest_imports_neither_torch_nor_torch_npu() -> None:
-    code = ("import sys\nfrom opcontracts.wheel import digest\n"
+def test_reading_wheels_and_the_digest_imports_neither_torch_nor_torch_npu(tmp_path: Path
+                                                                         ) -> None:
+    wheel = make_wheel(tmp_path, "9.0.0")
+    code = ("import sys\nfrom opcontracts.wheel import _source, digest\n"
+            f"built = digest.Digest(digest.build(_source.read_wheels([{str(wheel)!r}])))\n"
+            "assert built.release('9.0.0').docs['npu_toy'].args['x'].dtypes\n"
             "r = digest.load().release('2.14.0')\n"
             "assert r.schema('npu_swiglu') and r.docs['npu_swiglu'].args['self'].dtypes\n"
             "assert r.meta_ranks('npu_moe_token_permute')[0]['tokens'] == (2,)\n"
