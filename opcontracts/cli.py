@@ -415,6 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .wheel.cli import add_parser as _add_wheel_parser  # imports nothing else until run
 
     _add_wheel_parser(sub)
+    from ._probe_cli import add_parser as _add_probe_parser  # imports nothing until run
+
+    _add_probe_parser(sub)
     return p
 
 

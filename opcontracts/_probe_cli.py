@@ -1,0 +1,144 @@
+"""``opcontracts probe OP... [--all] [--json FILE] [--write-contract FILE] [--profile NAME]``.
+
+``add_parser(subparsers)`` adds the command to ``opcontracts``' parser (one call in
+``cli.build_parser``); nothing heavier than argparse is imported until the command runs.
+
+Where it runs: with a real torch_npu importable, on the real kernels (``--profile`` is refused);
+without one, on the CPU emulation installed with ``--profile`` (default ``narrow``), which is
+uninstalled again afterwards.  Exit status: 0; 1 when the contract that applies lets through a
+dtype the kernel gets wrong (the dangerous disagreement); 2 for a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_parser"]
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "probe", help="measure which dtypes an op really computes correctly (against its "
+        "plain-PyTorch reference); compare with its contract",
+        description="Run OP on small generated inputs over its dtype grid (per tensor argument, "
+        "then the groups its contract couples), compare each result with the op's reference as "
+        "the shadow compare does (msprobe's thresholds), and report per argument the dtypes that "
+        "give correct results, that raise, and that return wrong numbers silently; and where "
+        "the measurement and the contract that applies here disagree, both ways.")
+    p.add_argument("ops", nargs="*", metavar="OP",
+                   help="op names as contracts name them (npu_moe_token_unpermute, "
+                   "mindspeed.npu_gmm); torch.ops.npu.X and torch_npu.X are accepted")
+    p.add_argument("--all", action="store_true", help="every op that has a reference with "
+                   "example inputs")
+    p.add_argument("--json", metavar="FILE", help="also write the measurements as JSON")
+    p.add_argument("--write-contract", metavar="FILE",
+                   help="write the measured dtype rules as a contract file whose `when` pins "
+                   "the detected torch_npu / CANN / SoC")
+    p.add_argument("--profile", metavar="NAME",
+                   help="without a real torch_npu: the emulation's dtype profile to measure "
+                   "(narrow, incident, wide; default narrow)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the example inputs")
+    p.set_defaults(func=_cmd_probe)
+
+
+def _real_torch_npu() -> bool:
+    from .emulation._standins import is_standin
+
+    mod = sys.modules.get("torch_npu")
+    if mod is not None:
+        return not is_standin(mod)
+    from . import emulation
+
+    if emulation.installed():
+        return False
+    try:
+        return importlib.util.find_spec("torch_npu") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@contextlib.contextmanager
+def _kernels(profile: str | None) -> Iterator[None]:
+    """The real kernels, or the emulation with ``profile`` (put back as it was afterwards)."""
+    from . import emulation
+
+    if _real_torch_npu():
+        if profile is not None:
+            raise ValueError("--profile selects an emulation profile, and a real torch_npu is "
+                             "present: the probe measures the real kernels here")
+        import torch_npu  # noqa: F401 - registers the npu ops (and says which torch_npu this is)
+
+        yield
+        return
+    was = emulation.installed()
+    previous = emulation.current_profile()
+    emulation.install(profile or "narrow")
+    import torch_npu  # noqa: F401 - the stand-in: it tells the version detection what it is
+
+    try:
+        yield
+    finally:
+        if was:
+            emulation.install(previous if previous is not None else "narrow")
+        else:
+            emulation.uninstall()
+
+
+def _cmd_probe(ns: argparse.Namespace) -> int:
+    from . import reference
+
+    ops = list(ns.ops)
+    if ns.all:
+        ops += [n for n in reference.names() if reference.get(n).example is not None]  # type: ignore[union-attr]
+    if not ops:
+        print("opcontracts probe: name an op (or --all); probe-able: "
+              + ", ".join(n for n in reference.names()
+                          if reference.get(n).example is not None), file=sys.stderr)  # type: ignore[union-attr]
+        return 2
+    from .probe import probe
+
+    try:
+        with _kernels(ns.profile):
+            reports = [probe(op, seed=ns.seed) for op in dict.fromkeys(ops)]
+    except (LookupError, ValueError) as exc:
+        print(f"opcontracts probe: {exc}", file=sys.stderr)
+        return 2
+    for i, r in enumerate(reports):
+        if i:
+            print()
+        print(r.table())
+    total = sum(r.seconds for r in reports)
+    print(f"\n{len(reports)} op(s) probed, {sum(len(r.cells) for r in reports)} run(s) in "
+          f"{total:.2f} s")
+    if ns.json:
+        _write(ns.json, json.dumps({"ops": [r.to_dict() for r in reports], "seconds": total},
+                                   indent=2) + "\n")
+        print(f"measurements written to {ns.json}")
+    if ns.write_contract:
+        from ._contract_out import dumps_contracts, utc_now
+
+        header = [f"Measured by `opcontracts probe` on {utc_now()}: {len(reports)} op(s).",
+                  "Loaded through OPCONTRACTS_CONTRACTS each applies where its `when` holds, "
+                  "merged with the shipped contract (strictest reading)."]
+        _write(ns.write_contract, dumps_contracts([r.contract() for r in reports], header))
+        print(f"measured contract written to {ns.write_contract}")
+    dangerous = [(r.op, c) for r in reports for c in r.claimed_but_wrong]
+    if dangerous:
+        print(f"\n{len(dangerous)} dtype(s) the contract allows are computed wrong: the "
+              "contract must forbid them", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _write(path: str, text: str) -> None:
+    p = Path(path)
+    if p.parent != Path(""):
+        p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(text, encoding="utf-8")
