@@ -167,6 +167,23 @@ def _load_for_list(extra: Sequence[str]) -> list[Contract]:
     return _registry.all_contracts()
 
 
+def _coverage(ns: argparse.Namespace, contracts: list[Contract]) -> int:
+    """``list --coverage SOURCE``: the release's ops with and without a contract."""
+    from .wheel import coverage, digest
+
+    try:
+        release = digest.resolve_release(ns.coverage)
+    except (OSError, KeyError, ValueError) as exc:
+        print(f"opcontracts list --coverage: {exc}", file=sys.stderr)
+        return 2
+    cov = coverage.coverage(release, [c for c in contracts if _matches(c.op, ns.pattern)])
+    if ns.json:
+        print(json.dumps(cov.to_json(), indent=2))
+    else:
+        print(coverage.render(cov, verbose=ns.verbose))
+    return 0
+
+
 def _cmd_list(ns: argparse.Namespace) -> int:
     """Contracts grouped by op.  Per op: each contract with whether it applies here and why
     (``explain``), then, when several apply (a version is unknown, or a chip-specific table
@@ -175,6 +192,8 @@ def _cmd_list(ns: argparse.Namespace) -> int:
     from . import _registry, _versions
 
     contracts = _load_for_list(ns.contracts or ())
+    if ns.coverage:
+        return _coverage(ns, contracts)
     env = _versions.current()
     by_op: dict[str, list[Contract]] = {}
     for c in sorted(contracts, key=lambda c: (c.op, c.file or "")):
@@ -372,6 +391,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--contracts", action="append", help="extra contract file or folder")
     pl.add_argument("--json", action="store_true",
                     help="print JSON (every matching contract, each with whether it applies)")
+    pl.add_argument("--coverage", metavar="SOURCE",
+                    help="which ops of a torch_npu release have a contract: SOURCE is a wheel, "
+                    "an unpacked tree, a digest (FILE.json.gz[@VERSION]) or a version of the "
+                    "shipped digest (2.14.0)")
+    pl.add_argument("-v", "--verbose", action="store_true",
+                    help="with --coverage: also list the undocumented ops")
     pl.set_defaults(func=_cmd_list)
     pe = sub.add_parser("env", help="show detected torch_npu / CANN / MindSpeed versions, the "
                         "mode and the extra contract files")

@@ -128,17 +128,9 @@ def _vkey(v: str) -> Any:
 
 # --------------------------------------------------------------------------- diff
 def _release_of(ns: argparse.Namespace, name: str) -> Any:
-    from . import _source, digest
+    from . import digest
 
-    spec, _, at = name.partition("@")
-    p = Path(spec)
-    if p.exists() and (p.suffix == ".gz" or p.suffix == ".json"):
-        d = digest.load(p)
-        return d.release(at or d.versions[-1])
-    if p.exists():
-        w = _source.read_one(p)
-        return digest.Digest(digest.build([w]), str(p)).release(w.version)
-    return digest.load(ns.digest).release(name)
+    return digest.resolve_release(name, ns.digest)
 
 
 def _cmd_diff(ns: argparse.Namespace) -> int:

@@ -50,7 +50,7 @@ from ._schema import OpSchema, by_op, custom_funcs, default_schemas
 from ._source import WheelFiles, file_id
 
 __all__ = ["Digest", "Release", "DigestError", "build", "load", "save", "dumps", "loads",
-           "compare", "op_schemas", "default_path", "FORMAT"]
+           "compare", "op_schemas", "resolve_release", "default_path", "FORMAT"]
 
 FORMAT = 1
 
@@ -391,6 +391,23 @@ def _load_default() -> Digest:
     except OSError as exc:
         raise DigestError(f"{p}: the shipped digest cannot be read: {exc}") from None
     return Digest(loads(blob, str(p)), str(p))
+
+
+def resolve_release(name: str, digest_path: str | Path | None = None) -> Release:
+    """A release named on a command line: a digest file (``FILE.json.gz`` or ``FILE.json``,
+    optionally ``@VERSION``; else its newest release), a torch_npu wheel or unpacked tree (read
+    now), or a version (or file id) of ``digest_path`` / the shipped digest."""
+    from . import _source
+
+    spec, _, at = name.partition("@")
+    p = Path(spec)
+    if p.exists() and p.suffix in (".gz", ".json"):
+        d = load(p)
+        return d.release(at or d.versions[-1])
+    if p.exists():
+        w = _source.read_one(p)
+        return Digest(build([w]), str(p)).release(w.version)
+    return load(digest_path).release(name)
 
 
 def op_schemas(version: str, digest: Digest | None = None) -> Mapping[str, list[OpSchema]]:
