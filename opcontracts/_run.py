@@ -472,7 +472,7 @@ def _merged_lines(parts: list[dict[str, Any]], world: int, quiet: bool) -> list[
     merged = merge_reports(reports)
     stats = merge_stats([RunStats.from_dict({**p["checked"], "ranks": [p["rank"]]})
                          for p in parts if p.get("checked")])
-    found = [(p["rank"], k, p[k]) for p in parts for k in ("nan_sentinel", "shadow_compare")
+    found = [p for p in parts for k in ("nan_sentinel", "shadow_compare")
              if p.get(k) and p[k].get("first")]
     if quiet and not merged.records and not found:
         return []
@@ -485,18 +485,20 @@ def _merged_lines(parts: list[dict[str, Any]], world: int, quiet: bool) -> list[
     elif stats.checked:
         lines.append("opcontracts: no contract violations.")
     lines += stats.lines()
-    for key, label in (("nan_sentinel", "NaN sentinel"), ("shadow_compare", "shadow compare")):
-        present = [p for p in parts if p.get(key) is not None]
-        if not present:
-            continue
-        hits = [(p["rank"], p[key]["first"]) for p in present if p[key].get("first")]
-        if not hits:
-            lines.append(f"{label}: nothing found on any rank")
-            continue
-        lines.append(f"{label}: first finding per rank")
+    nan_parts = [p for p in parts if p.get("nan_sentinel") is not None]
+    if nan_parts:
+        hits = [(p["rank"], p["nan_sentinel"]["first"]) for p in nan_parts
+                if p["nan_sentinel"].get("first")]
+        lines.append("NaN sentinel: " + ("first non-finite value per rank" if hits
+                                         else "nothing found on any rank"))
         for r, e in sorted(hits):
             where = e.get("module") or e.get("module_type") or "?"
-            what = e.get("argument") or e.get("arg") or "?"
-            lines.append(f"  rank {r}: {e['direction']}, {e['op']}, {what} [{where}] at "
-                         f"{e.get('call_site') or '?'}")
+            lines.append(f"  rank {r}: {e['direction']}, {e['op']}, {e.get('arg', '?')} "
+                         f"[{where}] at {e.get('call_site') or '?'}")
+    cmp_parts = [(p["rank"], p["shadow_compare"]) for p in parts
+                 if p.get("shadow_compare") is not None]
+    if cmp_parts:
+        from .compare import merge_sections, merged_lines
+
+        lines += merged_lines(merge_sections(cmp_parts))
     return lines

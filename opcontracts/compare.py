@@ -431,13 +431,12 @@ class ShadowCompare(Observer):
         with self._lock:
             self._checked += 1
             self._checked_ops[call.op] = self._checked_ops.get(call.op, 0) + 1
-        site, where, backward_of = call.place()
         if len(got) != len(want):
             self._error(call.op, ValueError(f"the op returned {len(got)} tensor(s), its "
                                             f"reference {len(want)}"))
             return
         for (name, a), (_, e) in zip(got, want):
-            self._judged(call, "output", name, a, e, site, where, backward_of)
+            self._judged(call, "output", name, a, e)
         if st.grad:
             st.ref_outs = [e for _, e in want]
 
@@ -483,7 +482,7 @@ class ShadowCompare(Observer):
             if g is None:
                 g = torch.zeros(inp.shape, dtype=inp.dtype)
             name = _observe.arg_name(call.fn, k)
-            self._judged(call, "input_grad", name, g, r, call.site, call.where, None)
+            self._judged(call, "input_grad", name, g, r)
 
     # ----------------------------------------------------------------- bookkeeping
     def _error(self, op: str, exc: BaseException) -> None:
@@ -492,8 +491,7 @@ class ShadowCompare(Observer):
             self._error_ops.setdefault(op, f"{type(exc).__name__}: {exc}"[:200])
 
     def _judged(self, call: Call, kind: Literal["output", "input_grad"], name: str,
-                actual: torch.Tensor, expected: torch.Tensor, site: Any, where: Any,
-                backward_of: str | None) -> None:
+                actual: torch.Tensor, expected: torch.Tensor) -> None:
         try:
             with torch.no_grad():
                 v: Verdict = judge(actual, expected)
@@ -506,6 +504,10 @@ class ShadowCompare(Observer):
             with self._lock:
                 self._warnings += 1
             return
+        if kind == "input_grad":  # in backward: the forward call's place (its site is kept)
+            site, where, backward_of = call.site, call.where, None
+        else:  # during the call (a *_grad op: its forward call's place)
+            site, where, backward_of = call.place()
         module, module_type = _observe.module_name(where)
         direction: Direction = "backward" if kind == "input_grad" else call.direction
         with self._lock:
@@ -527,3 +529,47 @@ class ShadowCompare(Observer):
             warnings.warn(ev.message(), RuntimeWarning, stacklevel=5)
         elif first and self.on_divergence == "raise":
             raise DivergenceError(ev)
+
+
+# --------------------------------------------------------------------------- across ranks
+_COUNTS = ("checked", "grads_checked", "skipped", "unsampled", "errors", "warnings", "dropped",
+           "repaired")
+
+
+def merge_sections(parts: list[tuple[int | None, dict[str, Any]]]) -> dict[str, Any]:
+    """Several ranks' ``shadow_compare`` report sections (``CompareResult.to_dict``) as one:
+    counts summed, each rank's first divergence under ``per_rank``, ``first`` the first of the
+    lowest rank that found one.  For ``opcontracts run`` under torchrun and ``report merge``."""
+    out: dict[str, Any] = dict.fromkeys(_COUNTS, 0)
+    out.update(skipped_ops={}, checked_ops={}, per_rank={}, first=None, ranks=[])
+    for rank, d in sorted(parts, key=lambda p: (p[0] is None, p[0] or 0)):
+        for k in _COUNTS:
+            out[k] += int(d.get(k, 0) or 0)
+        for key in ("skipped_ops", "checked_ops"):
+            for op, n in dict(d.get(key) or {}).items():
+                out[key][op] = out[key].get(op, 0) + int(n)
+        if rank is not None:
+            out["ranks"].append(rank)
+        first = d.get("first")
+        if first:
+            out["per_rank"][str(rank)] = first
+            if out["first"] is None:
+                out["first"] = {**first, "rank": rank}
+    return out
+
+
+def merged_lines(merged: dict[str, Any]) -> list[str]:
+    """The merged section in words: the counts, and each rank's first divergence."""
+    ranks = ",".join(map(str, merged.get("ranks", []))) or "?"
+    head = (f"shadow compare on rank(s) {ranks}: {merged['checked']} call(s) compared "
+            f"({merged['grads_checked']} with gradients), {merged['skipped']} without a "
+            "reference")
+    per = merged.get("per_rank") or {}
+    if not per:
+        return [head + "; no divergence on any rank"]
+    lines = [head + "; first divergence per rank:"]
+    for r, e in sorted(per.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else -1):
+        where = e.get("module") or e.get("module_type") or "?"
+        lines.append(f"  rank {r}: {e['direction']}, {e['op']}, {e['argument']} [{where}] at "
+                     f"{e.get('call_site') or '?'}: {e.get('reason', '')}")
+    return lines

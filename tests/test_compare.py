@@ -401,3 +401,20 @@ def test_judge_rules() -> None:
     assert judge(torch.zeros(4), torch.zeros(4, dtype=torch.float64)).status == "pass"
     # shapes
     assert judge(torch.ones(3), torch.ones(4, dtype=torch.float64)).status == "error"
+
+
+def test_merge_sections_across_ranks(ops: types.ModuleType) -> None:
+    from opcontracts.compare import merge_sections, merged_lines
+
+    reference.register("t.scale", lambda x, w: -x * w, source="test", replace=True)
+    with ShadowCompare() as bad:
+        ops.scale(torch.ones(3), torch.ones(3))
+    with ShadowCompare() as good:
+        ops.scale(torch.ones(3), torch.ones(3))
+        ops.noref(torch.ones(3), torch.ones(3))
+    merged = merge_sections([(1, bad.result().to_dict()), (0, good.result().to_dict())])
+    assert (merged["checked"], merged["skipped"], merged["ranks"]) == (2, 1, [0, 1])
+    assert merged["first"]["rank"] == 1 and list(merged["per_rank"]) == ["1"]
+    text = "\n".join(merged_lines(merged))
+    assert "shadow compare on rank(s) 0,1: 2 call(s) compared" in text
+    assert "rank 1: forward, t.scale, output" in text

@@ -303,4 +303,5 @@ def test_torchrun_prints_one_merged_summary_on_rank0(tmp_path: Path, end: str) -
     assert "checked 4 of 4 guarded call(s) on rank(s) 0,1" in err
     table = err[err.index("opcontracts: 1 contract violation(s)"):]
     assert "npu_moe_token_unpermute  probs  dtype  warn  1      1 " in table  # rank 1 only
-    assert "shadow compare: nothing found on any rank" in err
+    assert "shadow compare on rank(s) 0,1: 4 call(s) compared" in err
+    assert "no divergence on any rank" in err
