@@ -409,6 +409,7 @@ def test_merge_sections_across_ranks(ops: types.ModuleType) -> None:
     reference.register("t.scale", lambda x, w: -x * w, source="test", replace=True)
     with ShadowCompare() as bad:
         ops.scale(torch.ones(3), torch.ones(3))
+    reference.register("t.scale", lambda x, w: x * w, source="test", replace=True)
     with ShadowCompare() as good:
         ops.scale(torch.ones(3), torch.ones(3))
         ops.noref(torch.ones(3), torch.ones(3))
