@@ -68,7 +68,11 @@ KINDS = ("nothing", "stats", "recorder", "compare:1", "compare:0.1", "compare:0"
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer repeats (smoke test)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1: on a shared 2-core machine the OpenMP pool's "
+                   "spin-waiting swamps small reductions, ~7 ms for a (256, 2, 64) sum)")
     ns = p.parse_args(argv)
+    torch.set_num_threads(ns.threads)
     number, repeat = (100, 5) if ns.quick else (500, 9)
 
     import opcontracts
