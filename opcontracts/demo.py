@@ -615,7 +615,8 @@ def run_rank(seed: int = 0, fsdp: int = 1, out: Callable[[str], None] | None = N
                  f"model held as Megatron holds it (Float16Module) and sharded per block with "
                  + ("FSDP1 (FullyShardedDataParallel, auto-wrap policy on Block: flat "
                     "parameters)" if fsdp == 1 else "FSDP2 (fully_shard per block: DTensor "
-                    "parameters)") + "; the NaN sentinel on")
+                    "parameters)") + "; the NaN sentinel on, and the golden compare on the "
+                 "unguarded step")
         for line in _intro(seed, where):
             say(line)
         say("")
@@ -691,14 +692,10 @@ def _golden_compare(per_rank: list[list[Scenario]]) -> dict[str, Any] | None:
                             found[0][1]["summary"])}
 
 
-def _rank_entry(seed: int, fsdp: int, json_path: str | None) -> int:
-    """What each process started by ``--ranks N`` runs (a module-level function: the launcher
-    spawns, and the new interpreter imports it by name).  Its exit status."""
-    return _as_rank(seed, fsdp, json_path)
-
-
 def _as_rank(seed: int, fsdp: int, json_path: str | None) -> int:
-    """Run this rank's part; rank 0 prints the merged result and writes ``--json``."""
+    """Run this rank's part; rank 0 prints the merged result and writes ``--json``; the exit
+    status.  What each process started by ``--ranks N`` runs (module level: the launcher
+    spawns, and the new interpreter imports it by name), and what a torchrun'd one calls."""
     try:
         result = run_rank(seed=seed, fsdp=fsdp)
     except _CannotRun as exc:  # every rank sees the same environment: every rank stops here
@@ -721,7 +718,7 @@ def _rank_of_env() -> int:
 
 
 def _launch(ranks: int, fsdp: int, seed: int, json_path: str | None) -> int:
-    """Start ``ranks`` processes that each run ``_rank_entry``; rank 0's exit status."""
+    """Start ``ranks`` processes that each run ``_as_rank``; rank 0's exit status."""
     from . import _demo_dist
 
     reason = _real_torch_npu()
@@ -731,7 +728,7 @@ def _launch(ranks: int, fsdp: int, seed: int, json_path: str | None) -> int:
           f"FSDP{fsdp}) ...", flush=True)
     t0 = time.perf_counter()
     try:
-        codes = _demo_dist.launch(ranks, _rank_entry, seed, fsdp, json_path)
+        codes = _demo_dist.launch(ranks, _as_rank, seed, fsdp, json_path)
     except _demo_dist.LaunchError as exc:
         print(f"opcontracts demo: {exc}", file=sys.stderr)
         return 1
