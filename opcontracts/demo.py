@@ -667,29 +667,25 @@ def _first_events(per_rank: list[list[Scenario]]) -> dict[str, dict[str, Any]]:
 
 
 def _golden_compare(per_rank: list[list[Scenario]]) -> dict[str, Any] | None:
-    """The golden compare's findings on the unguarded run over the ranks: ``first`` (the lowest
-    rank's first divergence, with its ``rank`` and ``module_clean``), ``firsts`` (each distinct
-    first divergence with the ranks whose first it was), ``checked`` (calls compared, all
-    ranks); None when it did not run."""
+    """The golden compare's findings on the unguarded run over the ranks, merged as ``run
+    --compare`` merges them under torchrun (``compare.merge_sections``): counts summed,
+    ``first`` (the lowest rank's first divergence, with its ``rank``), ``per_rank`` (each
+    rank's first), each with ``module_clean``; ``summary`` in the compare's words from the rank
+    of ``first``.  None when it did not run."""
     from ._modpath import clean
+    from .compare import merge_sections
 
-    found = [(r, sc.compare) for r, scs in enumerate(per_rank) for sc in scs
-             if sc.compare is not None]
+    found: list[tuple[int | None, dict[str, Any]]] = [
+        (r, sc.compare) for r, scs in enumerate(per_rank) for sc in scs if sc.compare is not None]
     if not found:
         return None
-    groups: dict[tuple[Any, ...], dict[str, Any]] = {}
-    for r, c in found:
-        e = c.get("first")
+    merged = merge_sections(found)
+    for e in [merged["first"], *merged["per_rank"].values()]:
         if e is not None:
-            key = (e["op"], e["direction"], e["argument"], e["module"])
-            groups.setdefault(key, {"event": {**e, "module_clean": clean(e["module"])},
-                                    "ranks": []})["ranks"].append(r)
-    first = next(({**g["event"], "rank": g["ranks"][0]} for g in groups.values()), None)
-    return {"first": first, "firsts": list(groups.values()),
-            "clean": [r for r, c in found if c.get("first") is None],
-            "checked": sum(int(c.get("checked", 0)) for _, c in found),
-            "summary": next((c["summary"] for _, c in found if c.get("first") is not None),
-                            found[0][1]["summary"])}
+            e["module_clean"] = clean(e.get("module"))
+    rank = merged["first"]["rank"] if merged["first"] is not None else found[0][0]
+    merged["summary"] = next(c["summary"] for r, c in found if r == rank)
+    return merged
 
 
 def _as_rank(seed: int, fsdp: int, json_path: str | None) -> int:
@@ -838,20 +834,23 @@ def _compare_text(cmp: dict[str, Any]) -> list[str]:
         return [f"golden compare, unguarded run: no divergence on any rank ({cmp['checked']} "
                 "call(s) compared)"]
     lines = [f"golden compare (opcontracts.compare, contracts off), unguarded run: first "
-             f"divergence on rank {first['rank']}"]
+             f"divergence on rank {first['rank']} ({cmp['checked']} call(s) compared on "
+             f"rank {_ranks_text(cmp['ranks'])})"]
     body = str(cmp["summary"]).splitlines()[1:]  # the first divergence, as the compare says it
     cut = next((i for i, ln in enumerate(body) if ln.startswith("  then ")), len(body))
     lines.extend("  " + ln for ln in body[:cut])
-    rows = [("ranks", "op", "direction", "module path in the job", "without wrappers")]
-    for g in cmp["firsts"]:
-        e = g["event"]
+    groups: dict[tuple[Any, ...], list[str]] = {}
+    for r, e in cmp["per_rank"].items():
         op = e["op"] + (f" (backward of {e['backward_of']})" if e.get("backward_of") else "")
-        rows.append((_ranks_text(g["ranks"]), op, e["direction"], e.get("module") or "-",
-                     e.get("module_clean") or "-"))
+        groups.setdefault((op, e["direction"], e.get("module") or "-",
+                           e.get("module_clean") or "-"), []).append(r)
+    rows = [("ranks", "op", "direction", "module path in the job", "without wrappers")]
+    rows += [(",".join(ranks), *key) for key, ranks in groups.items()]
     lines.append("  the first divergence of each rank:")
     lines.extend("    " + ln for ln in aligned(rows))
-    if cmp["clean"]:
-        lines.append(f"  no divergence on rank {_ranks_text(cmp['clean'])}")
+    silent = [r for r in cmp["ranks"] if str(r) not in cmp["per_rank"]]
+    if silent:
+        lines.append(f"  no divergence on rank {_ranks_text(silent)}")
     return lines
 
 

@@ -135,12 +135,13 @@ def _assert_paths(data: dict[str, Any], raw: str) -> None:
     assert data["nan"]["fix"]["first"] is None and data["nan"]["fix"]["clean"] == [0, 1]
     # the golden compare (contracts off) names the unpermute backward too, on every rank
     cmp = data["compare"]
-    assert cmp["checked"] > 0 and cmp["first"]["direction"] == "backward"
+    assert cmp["checked"] > 0 and cmp["ranks"] == [0, 1]
+    assert cmp["first"]["rank"] == 0 and cmp["first"]["direction"] == "backward"
     assert "npu_moe_token_unpermute" in cmp["first"]["op"]
-    assert sorted(r for g in cmp["firsts"] for r in g["ranks"]) == [0, 1]
-    for group in cmp["firsts"]:
-        m = re.fullmatch(raw, group["event"]["module"])
-        assert m and group["event"]["module_clean"] == f"layers.{m.group(1)}.mlp"
+    assert sorted(cmp["per_rank"]) == ["0", "1"]
+    for e in cmp["per_rank"].values():
+        m = re.fullmatch(raw, e["module"])
+        assert m and e["module_clean"] == f"layers.{m.group(1)}.mlp"
 
 
 def _assert_report(data: dict[str, Any]) -> None:
