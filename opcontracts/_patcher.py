@@ -191,6 +191,7 @@ class Patcher:
         with self.lock:
             for rec in reversed(self.records):
                 rec.restore()
+            self._unbind_late_aliases()
             self.records.clear()
             self.guards.clear()
             self.guard_ids.clear()
@@ -204,6 +205,25 @@ class Patcher:
                     pass
                 self.hook = None
             self.active = False
+
+    def _unbind_late_aliases(self) -> None:
+        """Names bound to a guard after the patch (``from x import f`` in a module imported
+        later) have no record: put the original back in them too, so no guard outlives
+        ``unpatch()``.  One walk over the loaded modules' namespaces, at unpatch only."""
+        originals = {id(g): o for o, g in self.guards.values()}
+        if not originals:
+            return
+        for modname, mod in list(sys.modules.items()):
+            if mod is None or modname.startswith("opcontracts"):
+                continue
+            try:
+                d = vars(mod)
+            except TypeError:  # pragma: no cover - exotic module objects
+                continue
+            for name, value in list(d.items()):
+                o = originals.get(id(value))
+                if o is not None:
+                    d[name] = o
 
     def on_import(self, name: str) -> None:
         with self.lock:

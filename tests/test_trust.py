@@ -418,3 +418,20 @@ def test_fix_mode_that_refuses_a_call_warns_no_fix() -> None:
             f(torch.ones(2, 4), torch.ones(5, dtype=torch.bfloat16))
     assert not [w for w in caught if issubclass(w.category, opcontracts.ContractFixWarning)]
     assert {(r.arg, r.fixed) for r in opcontracts.report().records} == {("x", 0), ("w", 0)}
+
+
+def test_unpatch_restores_names_bound_after_the_patch(emu: Any) -> None:
+    import types
+
+    user = types.ModuleType("trust_user_mod")
+    import sys
+
+    sys.modules["trust_user_mod"] = user
+    try:
+        exec("from mindspeed.ops.npu_moe_token_unpermute import npu_moe_token_unpermute",
+             user.__dict__)
+        assert getattr(user.npu_moe_token_unpermute, "__opcontracts_patched__", False)
+        patch.unpatch()
+        assert not getattr(user.npu_moe_token_unpermute, "__opcontracts_patched__", False)
+    finally:
+        del sys.modules["trust_user_mod"]
