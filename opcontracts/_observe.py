@@ -217,7 +217,8 @@ class Call:
     tensor of the job."""
 
     __slots__ = ("op", "fn", "args", "kwargs", "direction", "depth", "where", "context",
-                 "grad_keys", "_frame", "_site", "_site_done", "__weakref__")
+                 "grad_keys", "reused", "probe_node", "_frame", "_site", "_site_done",
+                 "__weakref__")
 
     def __init__(self, op: str, fn: Callable[..., Any], args: tuple[Any, ...],
                  kwargs: dict[str, Any], direction: Direction, depth: int, frame: Any) -> None:
@@ -230,6 +231,11 @@ class Call:
         self.where: tuple[nn.Module, nn.Module] | None = None
         self.context: Call | None = None  # for a call made in backward: the forward call
         self.grad_keys: list[Any] = []     # the inputs the probe watches (``tensors`` keys)
+        # outputs the op itself consumes (a Python op reusing an output): the gradient reaching
+        # them includes the op's own flow, so it is not what flows in from outside (None: not
+        # known, the op's graph was too large to walk)
+        self.reused: set[int] | None = set()
+        self.probe_node: Any = None  # the input probe's node, while the outputs are hooked
         self._frame = frame
         self._site: CallSite | None = None
         self._site_done = False
@@ -367,6 +373,7 @@ class _Dispatch:
                 o.grad_inputs(call, s, grads)
 
         views = _GradProbe.apply(check, *inputs)
+        call.probe_node = views[0].grad_fn if views else None
         new_args = list(args)
         new_kwargs = dict(kwargs)
         for (pos, j), v in zip(keys, views):
@@ -389,6 +396,8 @@ class _Dispatch:
             node = t.grad_fn
             if node is not None and t.requires_grad:
                 nodes.setdefault(id(node), (node, []))[1].append((pos, t.output_nr))
+        call.reused = _consumed_inside(nodes, call.probe_node)
+        call.probe_node = None  # no cycle through the probe's context
         tls = self.tls
         for node_id, (node, idx) in nodes.items():
 
@@ -411,6 +420,30 @@ class _Dispatch:
 
             node.register_prehook(pre)
             node.register_hook(post)
+
+
+def _consumed_inside(nodes: dict[int, tuple[Any, list[tuple[int, int]]]], stop: Any,
+                     budget: int = 2000) -> set[int] | None:
+    """Output positions whose autograd node another node of the op's own graph feeds into:
+    walks from the outputs' nodes down to the input probe (a fused kernel is one node: one
+    step).  None when the walk exceeds ``budget`` nodes (not known)."""
+    seen: set[int] = set()
+    stack = [n for n, _ in nodes.values()]
+    consumed: set[int] = set()
+    while stack:
+        n = stack.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        if len(seen) > budget:
+            return None
+        for nxt, _ in getattr(n, "next_functions", ()):
+            if nxt is None or nxt is stop:
+                continue
+            if id(nxt) in nodes:
+                consumed.update(pos for pos, _ in nodes[id(nxt)][1])
+            stack.append(nxt)
+    return consumed
 
 
 _dispatch = _Dispatch()

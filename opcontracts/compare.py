@@ -135,7 +135,10 @@ class CompareResult:
     calls whose input gradients were; ``skipped``: calls of ops without a reference
     (``skipped_ops`` per op); ``unsampled``: calls left out by ``sample``; ``errors``: calls
     whose reference raised (``error_ops``); ``warnings``: outputs msprobe's rules only warn
-    about; ``repaired``: calls ``fix`` mode repaired (not judged: see ``_repaired``)."""
+    about; ``repaired``: calls ``fix`` mode repaired (not judged: see ``_repaired``);
+    ``grads_skipped``: calls whose gradients cannot be compared because the op consumes one of
+    its own outputs (a Python op: the gradient reaching that output is not only the outside's;
+    a fused kernel is one autograd node and never does)."""
 
     first: Divergence | None
     events: list[Divergence] = field(default_factory=list)
@@ -151,6 +154,8 @@ class CompareResult:
     error_ops: dict[str, str] = field(default_factory=dict)
     checked_ops: dict[str, int] = field(default_factory=dict)
     repaired: int = 0
+    grads_skipped: int = 0
+    grads_skipped_ops: dict[str, int] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return self.first is not None
@@ -169,6 +174,11 @@ class CompareResult:
                          + "; ".join(f"{op}: {why}" for op, why in self.error_ops.items()) + ")")
         if self.warnings:
             extra.append(f"{self.warnings} output(s) within msprobe's warning band only")
+        if self.grads_skipped:
+            extra.append(f"{self.grads_skipped} call(s) whose gradients could not be compared: the "
+                         "op reuses its own output ("
+                         + ", ".join(f"{op} x{n}" for op, n in sorted(self.grads_skipped_ops.items()))
+                         + ")")
         if self.repaired:
             extra.append(f"{self.repaired} call(s) repaired by fix mode, not judged (the kernel "
                          "got the repaired arguments; a guarded op it calls is judged on them)")
@@ -201,6 +211,7 @@ class CompareResult:
             "warnings": self.warnings, "dropped": self.dropped, "sample": self.sample,
             "skipped_ops": dict(self.skipped_ops), "error_ops": dict(self.error_ops),
             "checked_ops": dict(self.checked_ops), "repaired": self.repaired,
+            "grads_skipped": self.grads_skipped, "grads_skipped_ops": dict(self.grads_skipped_ops),
             "thresholds_source": SOURCE,
         }
 
@@ -349,6 +360,8 @@ class ShadowCompare(Observer):
             self._events: list[Divergence] = []
             self._checked = self._grads_checked = self._skipped = self._unsampled = 0
             self._errors = self._warnings = self._dropped = self._seq = self._repaired = 0
+            self._grads_skipped = 0
+            self._grads_skipped_ops: dict[str, int] = {}
             self._skipped_ops: dict[str, int] = {}
             self._error_ops: dict[str, str] = {}
             self._checked_ops: dict[str, int] = {}
@@ -359,7 +372,8 @@ class ShadowCompare(Observer):
                                  self._grads_checked, self._skipped, self._unsampled,
                                  self._errors, self._warnings, self._dropped, self.sample,
                                  dict(self._skipped_ops), dict(self._error_ops),
-                                 dict(self._checked_ops), self._repaired)
+                                 dict(self._checked_ops), self._repaired,
+                                 self._grads_skipped, dict(self._grads_skipped_ops))
 
     # ----------------------------------------------------------------- the observed call
     def _draw(self, call: Call) -> bool:
@@ -458,6 +472,14 @@ class ShadowCompare(Observer):
         st.ref_outs, st.incoming = None, {}  # the reference graph is used once
         if outs is None or not incoming:
             return
+        if call.reused is None or call.reused:
+            # the op consumes its own output (a Python op): the gradient reaching that output
+            # includes the op's internal flow, not only what flows in from outside; there is no
+            # incoming gradient to hand the reference
+            with self._lock:
+                self._grads_skipped += 1
+                self._grads_skipped_ops[call.op] = self._grads_skipped_ops.get(call.op, 0) + 1
+            return
         keys = [k for k in call.grad_keys if k in st.by_key]
         inputs = [st.by_key[k] for k in keys]
         pairs = [(outs[p], g) for p, g in sorted(incoming.items())]
@@ -533,7 +555,7 @@ class ShadowCompare(Observer):
 
 # --------------------------------------------------------------------------- across ranks
 _COUNTS = ("checked", "grads_checked", "skipped", "unsampled", "errors", "warnings", "dropped",
-           "repaired")
+           "repaired", "grads_skipped")
 
 
 def merge_sections(parts: list[tuple[int | None, dict[str, Any]]]) -> dict[str, Any]:

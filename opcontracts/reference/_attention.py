@@ -104,8 +104,9 @@ def npu_fusion_attention(
     """Softmax attention; returns (out, softmax_max, softmax_sum, softmax_in, seed, offset, numels).
 
     softmax_max / softmax_sum are the real per-row statistics, broadcast to (B, N, Sq, 8) fp32
-    as on the NPU; softmax_in is empty and seed/offset/numels are 0. Dropout (keep_prob),
-    the token windows (pre/next_tockens) and TND layouts are not emulated.
+    as on the NPU (no gradient flows through them); softmax_in is empty and seed/offset/numels
+    are 0. Dropout (keep_prob), the token windows (pre/next_tockens) and TND layouts are not
+    covered.
     """
     acc = acc_dtype(query)
     heads, k_heads = attention_heads(query, key, head_num, input_layout)
@@ -119,10 +120,12 @@ def npu_fusion_attention(
     out = torch.matmul(exp / row_sum, v)
     out = bnsd_to_attention_layout(out, input_layout).to(query.dtype).contiguous()
     stats_shape = (*row_max.shape[:-1], 8)
+    # the statistics carry no gradient: torch_npu's backward (npu_fusion_attention_grad) takes
+    # the gradient of the attention output only
     return (
         out,
-        row_max.expand(stats_shape).contiguous(),
-        row_sum.expand(stats_shape).contiguous(),
+        row_max.detach().expand(stats_shape).contiguous(),
+        row_sum.detach().expand(stats_shape).contiguous(),
         query.new_empty((0,)),
         0,
         0,
