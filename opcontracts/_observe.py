@@ -260,10 +260,12 @@ class Call:
 class Observer:
     """What an observer implements (every method is optional).  ``grads``: wants the gradients
     (the layer probes the call's inputs and hooks its outputs); ``modules``: wants ``Call.where``
-    (the layer runs global ``nn.Module`` hooks while such an observer is attached)."""
+    (the layer runs global ``nn.Module`` hooks while such an observer is attached); ``reuse``:
+    wants ``Call.reused``."""
 
     grads: bool = False
     modules: bool = False
+    reuse: bool = False  # wants ``Call.reused`` (a walk of the op's graph per call with grad)
 
     def begin(self, call: Call) -> Any:
         """Before the kernel runs: per-call state, or None to ignore this call."""
@@ -396,7 +398,8 @@ class _Dispatch:
             node = t.grad_fn
             if node is not None and t.requires_grad:
                 nodes.setdefault(id(node), (node, []))[1].append((pos, t.output_nr))
-        call.reused = _consumed_inside(nodes, call.probe_node)
+        if any(o.reuse for o, _ in grad_obs):
+            call.reused = _consumed_inside(nodes, call.probe_node)
         call.probe_node = None  # no cycle through the probe's context
         tls = self.tls
         for node_id, (node, idx) in nodes.items():

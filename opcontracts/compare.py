@@ -305,6 +305,7 @@ class ShadowCompare(Observer):
 
     grads = True
     modules = True
+    reuse = True   # gradients of an op that consumes its own output cannot be compared
 
     def __init__(self, sample: float = 1.0, *, seed: int = 0, device: str | torch.device | None
                  = None, backward: bool = True, on_divergence: OnDivergence = "record",
