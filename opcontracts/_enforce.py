@@ -822,9 +822,10 @@ def _build_from(factory: Callable[[], CompiledContract | None] | None, op: str,
     assert factory is not None
     try:
         return factory()
-    except OpContractsError as exc:
-        if not isinstance(exc, _registry.UnknownOpError):
-            _warn_broken(op, exc)
+    except _registry.UnknownOpError:
+        return None
+    except Exception as exc:  # noqa: BLE001 - a contract that cannot be built is not the job's end
+        _warn_broken(op, exc)
         return None
 
 
