@@ -36,7 +36,7 @@ from ._dtypes import dtype_name, int_range, parse_dtype
 from ._nesting import call_within
 from ._report import bump, current_rank, record
 from ._shapes import ShapeSpec, eval_dim, parse_shape
-from .errors import ContractFixWarning, ContractViolation, ContractWarning, OpContractsError
+from .errors import ContractFixWarning, ContractViolation, ContractWarning
 
 __all__ = ["make_guard", "params_of", "violation_from_raw", "check_call", "compiled_for"]
 
