@@ -1,9 +1,8 @@
 """The emulated ``npu`` ops: schemas and their registration with the PyTorch dispatcher.
 
-Schemas are copied from torch_npu 2.14.0 (``npu_native_functions_by_codegen.yaml``, as quoted in
-``shared/reference/npu-op-facts.md``). ``npu_grouped_matmul`` and ``npu_fusion_attention`` are
-abbreviated there; their schemas below keep the quoted argument names, order, keyword-only
-marker and defaults and leave out the quantization / TND-only arguments.
+Schemas are torch_npu 2.14.0's (``npu_native_functions_by_codegen.yaml``), read from the wheel
+digest shipped in the package (``opcontracts.wheel.digest``); ``_SHORTENED`` lists the ones still
+abbreviated. The ops added by family modules are declared there (``_family``).
 
 Per op the registration is:
 
@@ -32,31 +31,30 @@ from .. import reference
 from . import _fakes, _raw
 from ._autograd import BackwardFn, make_autograd_kernel
 from ._backward import BACKWARDS
+from ._family import all_ops, backward_of, digest_schema
 
 __all__ = ["NAMESPACE", "OPS", "OP_NAMES", "OpDef", "deregister", "register", "tensor_args"]
 
 NAMESPACE = "npu"
 
-SCHEMAS: dict[str, str] = {
-    "npu_moe_token_permute": "npu_moe_token_permute(Tensor tokens, Tensor indices, int? num_out_tokens=None, bool padded_mode=False) -> (Tensor, Tensor)",
-    "npu_moe_token_permute_grad": "npu_moe_token_permute_grad(Tensor tokens, Tensor grad_permuted_tokens, Tensor indices, Tensor sorted_indices, bool padded_mode=False) -> Tensor",
-    "npu_moe_token_unpermute": "npu_moe_token_unpermute(Tensor permuted_tokens, Tensor sorted_indices, Tensor? probs=None, bool padded_mode=False, int[]? restore_shape=None) -> Tensor",
-    "npu_moe_token_unpermute_grad": "npu_moe_token_unpermute_grad(Tensor permuted_tokens, Tensor grad_unpermuted_tokens, Tensor sorted_indices, Tensor? probs=None, bool padded_mode=False, int[]? restore_shape=None) -> (Tensor, Tensor)",
-    "npu_moe_token_permute_with_routing_map": "npu_moe_token_permute_with_routing_map(Tensor tokens, Tensor routing_map, *, Tensor? probs=None, int? num_out_tokens=None, bool drop_and_pad=False) -> (Tensor, Tensor, Tensor)",
-    "npu_moe_token_unpermute_with_routing_map": "npu_moe_token_unpermute_with_routing_map(Tensor permuted_tokens, Tensor sorted_indices, int[] restore_shape, *, Tensor? probs=None, Tensor? routing_map=None, bool drop_and_pad=False) -> Tensor",
-    "npu_moe_init_routing": "npu_moe_init_routing(Tensor x, Tensor row_idx, Tensor expert_idx, int active_num) -> (Tensor, Tensor, Tensor)",
-    "npu_moe_finalize_routing": "npu_moe_finalize_routing(Tensor expanded_permuted_rows, Tensor? skip1, Tensor? skip2, Tensor? bias, Tensor? scales, Tensor expanded_src_to_dst_row, Tensor? export_for_source_row, int? drop_pad_mode=0, int? k=1) -> Tensor",
-    "npu_moe_gating_top_k_softmax": "npu_moe_gating_top_k_softmax(Tensor x, Tensor? finished=None, int k=1) -> (Tensor, Tensor, Tensor)",
-    "npu_moe_compute_expert_tokens": "npu_moe_compute_expert_tokens(Tensor sorted_expert_for_source_row, int num_expert) -> Tensor",
-    # Reduced from torch_npu 2.14.0: the quantization arguments (scale, offset, antiquant_*,
-    # per_token_scale, ...), act_type and the tuning arguments are left out.
+# The ops of the first packs; their schemas are torch_npu 2.14.0's, read from the wheel digest
+# (``_family.digest_schema``), except where an entry below still shortens one (the quantization
+# arguments of npu_grouped_matmul, the arguments after ``sync`` of npu_fusion_attention), until
+# the reference takes every argument of the real schema.
+_FIRST_PACKS = (
+    "npu_moe_token_permute", "npu_moe_token_permute_grad", "npu_moe_token_unpermute",
+    "npu_moe_token_unpermute_grad", "npu_moe_token_permute_with_routing_map",
+    "npu_moe_token_unpermute_with_routing_map", "npu_moe_init_routing",
+    "npu_moe_finalize_routing", "npu_moe_gating_top_k_softmax", "npu_moe_compute_expert_tokens",
+    "npu_grouped_matmul", "npu_rms_norm", "npu_swiglu", "npu_rotary_mul", "npu_fusion_attention",
+)
+_SHORTENED: dict[str, str] = {
     "npu_grouped_matmul": "npu_grouped_matmul(Tensor[] x, Tensor[] weight, *, Tensor[]? bias=None, Tensor? group_list=None, int? split_item=0, int? group_type=None, int? group_list_type=0) -> Tensor[]",
-    "npu_rms_norm": "npu_rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)",
-    "npu_swiglu": "npu_swiglu(Tensor self, int dim=-1) -> Tensor",
-    "npu_rotary_mul": "npu_rotary_mul(Tensor self, Tensor r1, Tensor r2, str rotary_mode='half', Tensor? rotate=None) -> Tensor",
-    # Reduced from torch_npu 2.14.0: the arguments after ``sync`` (softmax_layout, sink, ...)
-    # are left out.
     "npu_fusion_attention": "npu_fusion_attention(Tensor query, Tensor key, Tensor value, int head_num, str input_layout, Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, float scale=1., float keep_prob=1., int pre_tockens=2147483647, int next_tockens=2147483647, int inner_precise=0, int[]? prefix=None, int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, int sparse_mode=0, bool gen_mask_parallel=True, bool sync=False) -> (Tensor, Tensor, Tensor, Tensor, int, int, int)",
+}
+SCHEMAS: dict[str, str] = {
+    **{name: _SHORTENED.get(name) or digest_schema(name) for name in _FIRST_PACKS},
+    **{op.name: op.schema or digest_schema(op.name) for op in all_ops()},
 }
 
 
@@ -81,12 +79,16 @@ def _reference(name: str) -> Callable[..., Any]:
 OPS: tuple[OpDef, ...] = tuple(
     OpDef(
         name=name,
-        schema=schema,
+        schema=SCHEMAS[name],
         kernel=_reference(name),
         fake=getattr(_fakes, name),
         backward=BACKWARDS.get(name),
     )
-    for name, schema in SCHEMAS.items()
+    for name in _FIRST_PACKS
+) + tuple(
+    OpDef(name=op.name, schema=SCHEMAS[op.name], kernel=_reference(op.name), fake=op.fake,
+          backward=backward_of(op))
+    for op in all_ops()
 )
 OP_NAMES: tuple[str, ...] = tuple(op.name for op in OPS)
 

@@ -182,6 +182,19 @@ PROFILES: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {
 }
 
 
+def _add_families() -> None:
+    """The family modules' ops (``_family.EmulatedOp``): their documented dtypes in every
+    profile, with their per-profile overrides."""
+    from ._family import all_ops
+
+    for op in all_ops():
+        for name, table in PROFILES.items():
+            table[op.name] = op.profile(name)
+
+
+_add_families()
+
+
 @dataclass(frozen=True)
 class Profile:
     """A resolved profile: dtype names turned into ``torch.dtype``, read-only."""

@@ -22,12 +22,14 @@ Users add their own::
     reference.register("my_op", my_reference_fn)      # same parameters as the op
     reference.get("my_op")                            # Reference(name, forward, ...)
 
-**Adding a shipped op** (issue 15 and later): write the forward in the family module it belongs
-to (``_moe.py``, ``_matmul.py``, ``_norm.py``, ``_attention.py``; ``_mindspeed.py`` for MindSpeed
-signatures), an example builder in ``_examples.py`` if the probe should cover it, and add ONE
-``Reference(...)`` entry to ``_table.py`` (name, forward, example, source; ``backward`` only when
-the emulation needs a composite formula, ``grad_of`` for a ``*_grad`` op).  The emulation also
-needs the op's schema, fake and profile entries (see ``opcontracts/emulation/_ops.py``).
+**Adding a shipped op** (issue 15 and later): in the family module it belongs to
+(``_fam_attention.py``, ``_fam_norm_quant.py``, ``_fam_gemm_comm.py``, ``_fam_moe_serving.py``)
+write its forward, its example builder (the probe's and the compare test's starting point) and
+ONE ``Reference(...)`` entry in that module's ``REFERENCES`` (name, forward, example, source;
+``backward`` only for a composite formula, ``grad_of`` for a ``*_grad`` op); ``_table.py``
+appends every family's entries.  The emulation's side is one ``EmulatedOp`` entry in the
+emulation's family module of the same name (``opcontracts/emulation/_family.py``).  The ops of
+the first packs keep their entries in ``_table.py``.
 
 This package imports nothing from the rest of opcontracts (the emulation imports it, never the
 reverse); ``import opcontracts.reference`` does not import torch until a reference is looked up.

@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
-from . import Reference, _attention, _examples, _grads, _matmul, _mindspeed, _moe, _norm
+from . import (
+    Reference,
+    _attention,
+    _examples,
+    _fam_attention,
+    _fam_gemm_comm,
+    _fam_moe_serving,
+    _fam_norm_quant,
+    _grads,
+    _matmul,
+    _mindspeed,
+    _moe,
+    _norm,
+)
 
 _DOCS = "torch_npu 2.13/2.14 _op_plugin_docs.py"
 _MS = "MindSpeed master, docs/ops/"
@@ -68,3 +81,7 @@ SHIPPED: tuple[Reference, ...] = (
     Reference("mindspeed.npu_ring_attention_update", _mindspeed.npu_ring_attention_update,
               example=_examples.ring, source=f"{_MS}npu_ring_attention_update.md"),
 )
+
+# issue 15 and later: each family module holds its own entries
+SHIPPED += (_fam_attention.REFERENCES + _fam_norm_quant.REFERENCES + _fam_gemm_comm.REFERENCES
+            + _fam_moe_serving.REFERENCES)

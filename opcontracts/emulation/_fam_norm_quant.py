@@ -1,0 +1,10 @@
+"""Emulated ops of the norm quant family (issue 15): one ``EmulatedOp`` entry per op (see
+``_family``); their references live in ``opcontracts.reference._fam_norm_quant``."""
+
+from __future__ import annotations
+
+from ._family import EmulatedOp
+
+__all__ = ["OPS"]
+
+OPS: tuple[EmulatedOp, ...] = ()
