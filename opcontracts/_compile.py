@@ -287,11 +287,20 @@ class _Gen:
             exp = _expected_dtypes(spec.dtype)
             if spec.same_dtype_as is not None:
                 exp += f" and the dtype of {spec.same_dtype_as}"
+            extra = spec.dtype_if_present or {}
+            for other, more in extra.items():
+                exp += f" (or {_expected_dtypes(more)} when {other} is passed)"
             rid = self.rule(arg, "dtype", exp, spec)
+            # a mode chosen by an optional argument (quantized weights with their scales)
+            unless = "".join(
+                f" and not ({o} is not _oc_M and {o} is not None and {val}.dtype in "
+                f"{self.const(frozenset(parse_dtype(d) for d in more))})"
+                for o, more in extra.items())
             if len(dts) == 1:
-                self.emit(ind, f"if {val}.dtype is not {self.const(dts[0])}: {self.fail(rid, val, idx)}")
+                self.emit(ind, f"if {val}.dtype is not {self.const(dts[0])}{unless}: "
+                               f"{self.fail(rid, val, idx)}")
             else:
-                self.emit(ind, f"if {val}.dtype not in {self.const(frozenset(dts))}: "
+                self.emit(ind, f"if {val}.dtype not in {self.const(frozenset(dts))}{unless}: "
                                f"{self.fail(rid, val, idx)}")
         if spec.same_dtype_as is not None:
             p = spec.same_dtype_as
@@ -425,7 +434,8 @@ class _Gen:
         absent = [n for n in c.args if n not in self.pnames]
         for name in absent:
             a = c.args[name]
-            partners = [n for n, b in c.args.items() if name in (b.same_dtype_as, b.same_shape_as)]
+            partners = [n for n, b in c.args.items() if name in (b.same_dtype_as, b.same_shape_as)
+                        or name in (b.dtype_if_present or {})]
             if (a.is_tensor and not a.optional) or partners:
                 raise ContractFileError(
                     f"the contract names argument {name!r}, but the guarded callable takes "

@@ -214,6 +214,12 @@ def _merge_arg(a: Arg, b: Arg) -> Arg:
     if a.dtype is not None and b.dtype is not None:
         inter = tuple(d for d in a.dtype if d in b.dtype)
         data["dtype"] = inter or (b.dtype if len(b.dtype) < len(a.dtype) else a.dtype)
+        # a mode's extra dtypes hold only where both allow them
+        ea, eb = a.dtype_if_present or {}, b.dtype_if_present or {}
+        extra = {k: tuple(d for d in ea[k] if d in eb[k]) for k in ea if k in eb}
+        data["dtype_if_present"] = {k: v for k, v in extra.items() if v} or None
+    elif b.dtype is not None:
+        data["dtype_if_present"] = b.dtype_if_present
     data["optional"] = a.optional and b.optional
     data["source"] = join_sources(a.source, b.source)
     return Arg.model_validate({("list" if k == "tensor_list" else k): v for k, v in data.items()})

@@ -33,7 +33,8 @@ def _rules(arg: Arg) -> str:
     if arg.tensor_list:
         parts.append("list" + (f" (<= {arg.max_len})" if arg.max_len is not None else ""))
     if arg.dtype:
-        parts.append(_dt(arg.dtype))
+        parts.append(_dt(arg.dtype) + "".join(f" (or {_dt(v)} with {k})"
+                                              for k, v in (arg.dtype_if_present or {}).items()))
     if arg.same_dtype_as:
         text = f"dtype of {arg.same_dtype_as}"
         for k, v in (arg.same_dtype_except or {}).items():

@@ -198,6 +198,10 @@ class Arg(_Frozen):
     same_dtype_except: dict[str, tuple[str, ...]] | None = None
     """with ``same_dtype_as``: extra dtypes allowed for a given partner dtype ({bf16 = ["fp32"]})"""
     same_shape_as: str | None = None
+    dtype_if_present: dict[str, tuple[str, ...]] | None = None
+    """with ``dtype``: extra dtypes allowed when another argument is passed (not None), for
+    kernels whose mode is chosen by an optional argument: ``{antiquant_scale = ["int8"]}`` lets
+    a quantized weight through only with its scales"""
     optional: StrictBool = False
     """``None`` (or leaving the argument out) is allowed"""
     fix: Literal["cast", "never"] | None = None
@@ -256,6 +260,20 @@ class Arg(_Frozen):
         for k, vals in v.items():
             items = _items(vals, f"same_dtype_except.{k}")
             out[dtype_name(parse_dtype(k))] = tuple(dtype_name(parse_dtype(x)) for x in items)
+        return out
+
+    @field_validator("dtype_if_present", mode="before")
+    @classmethod
+    def _if_present(cls, v: Any) -> Any:
+        if v is None:
+            return v
+        if not isinstance(v, Mapping):
+            raise ValueError("expected a table such as {antiquant_scale = ['int8']}, got "
+                             f"{_show(v)}")
+        out = {}
+        for k, vals in v.items():
+            items = _items(vals, f"dtype_if_present.{k}")
+            out[str(k)] = tuple(dtype_name(parse_dtype(x)) for x in items)
         return out
 
     @field_validator("shape", mode="before")
@@ -319,6 +337,8 @@ class Arg(_Frozen):
         if self.same_dtype_except is not None and self.same_dtype_as is None:
             problems.append(("same_dtype_except", "needs same_dtype_as (the partner whose dtype "
                                                   "it makes exceptions for)"))
+        if self.dtype_if_present is not None and self.dtype is None:
+            problems.append(("dtype_if_present", "needs dtype (the dtypes it adds to)"))
         if self.max_len is not None and not self.tensor_list:
             problems.append(("max_len", "applies to a list of tensors: add list = true"))
         if problems:
@@ -444,6 +464,11 @@ class Contract(_Frozen):
                                 f"argument of this contract (arguments: {', '.join(self.args)})"))
                 elif partner == name:
                     out.append((f"args.{name}.{field}", "names the argument itself"))
+            for other in arg.dtype_if_present or {}:
+                if other not in self.args or other == name:
+                    out.append((f"args.{name}.dtype_if_present.{other}",
+                                f"names {other!r}, which is not another argument of this contract "
+                                "(declare it, e.g. with optional = true)"))
         if self.signature is not None:
             missing = [a for a in self.args if a not in self.signature]
             if missing:

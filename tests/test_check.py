@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import opcontracts
-from opcontracts import Arg, Contract, ContractViolation, ValueRule
+from opcontracts import Arg, Contract, ContractViolation, ValueRule, _registry
 
 bf16, f32, i32, i64 = torch.bfloat16, torch.float32, torch.int32, torch.int64
 
@@ -288,3 +288,21 @@ def test_a_size_bound_by_an_optional_argument_is_compared_by_a_later_required_on
         f(None, t(3, 8))  # N unbound by probs: x binds it
     e = violation(f, t(4, 2), t(3, 8))
     assert e.arg == "x" and e.rule == "shape" and e.bindings["N"] == 4
+
+
+def test_dtype_if_present_allows_a_mode_chosen_by_an_optional_argument():
+    c = Contract("q", {"x": Arg("bf16"), "w": Arg("bf16", dtype_if_present={"scale": ["int8"]}),
+                       "scale": Arg(optional=True)})
+    f = guard(c)
+    with opcontracts.mode("strict"):
+        f(t(2), t(2))
+        f(t(2), t(2, dtype=torch.int8), t(2))  # quantized weight with its scale
+    e = violation(f, t(2), t(2, dtype=torch.int8))  # without it: a violation
+    assert e.arg == "w" and "int8 when scale is passed" in e.expected
+    other = Contract("q", {"x": Arg("bf16"),
+                           "w": Arg("bf16", dtype_if_present={"scale": ["int8", "uint8"]}),
+                           "scale": Arg(optional=True)}, when={"cann": ">=99"})
+    merged = _registry.merge_contracts([c, other])
+    assert merged.args["w"].dtype_if_present == {"scale": ("int8",)}
+    with pytest.raises(opcontracts.ContractFileError, match="dtype_if_present"):
+        Contract("q", {"w": Arg("bf16", dtype_if_present={"nope": ["int8"]})})

@@ -141,7 +141,7 @@ def _allowed(c: Contract, name: str, seen: frozenset[str] = frozenset()) -> set[
     ``same_dtype_as``, with the exceptions), or None when it has no dtype rule."""
     a = c.args[name]
     if a.dtype:
-        return set(a.dtype)
+        return set(a.dtype).union(*(a.dtype_if_present or {}).values())
     if a.same_dtype_as and a.same_dtype_as in c.args and a.same_dtype_as not in seen:
         base = _allowed(c, a.same_dtype_as, seen | {name})
         if base is not None:
