@@ -39,11 +39,21 @@ _LAZY = {
 }
 
 
+# Submodules reachable as attributes after a bare ``import opcontracts``
+# (``opcontracts.reference.register(...)``), imported on first access.  ``patch`` is not one:
+# importing it applies the patch, which must stay an explicit ``import opcontracts.patch``.
+_SUBMODULES = frozenset({"reference", "compare", "probe", "record", "nan", "emulation",
+                         "dispatch", "wheel"})
+
+
 def __getattr__(name: str) -> Any:
+    import importlib
+
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)  # sets the attribute itself
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'opcontracts' has no attribute {name!r}")
-    import importlib
 
     value = getattr(importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value
@@ -51,7 +61,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | _SUBMODULES)
 
 
 __version__ = "0.1.0"

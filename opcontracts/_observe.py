@@ -106,21 +106,35 @@ def in_backward() -> bool:
     return bool(torch._C._current_graph_task_id() != -1)
 
 
-@functools.lru_cache(maxsize=512)
+_names_cache: weakref.WeakKeyDictionary[Any, tuple[str, ...]] = weakref.WeakKeyDictionary()
+
+
 def param_names(fn: Callable[..., Any]) -> tuple[str, ...]:
-    """The parameter names of a guard (its checker's, else its signature's)."""
+    """The parameter names of a guard (its checker's, else its signature's); cached weakly, so
+    an unpatched guard is still freed."""
+    try:
+        return _names_cache[fn]
+    except (KeyError, TypeError):
+        pass
     from ._enforce import compiled_of
 
+    names: tuple[str, ...] = ()
     try:
         cc = compiled_of(fn)
         if cc is not None:
-            return tuple(p.name for p in cc.params)
+            names = tuple(p.name for p in cc.params)
     except Exception:  # naming is best effort: an event must never fail on it
         pass
+    if not names:
+        try:
+            names = tuple(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):
+            names = ()
     try:
-        return tuple(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return ()
+        _names_cache[fn] = names
+    except TypeError:  # not weak-referenceable: not cached
+        pass
+    return names
 
 
 def arg_name(fn: Callable[..., Any], key: tuple[Any, int | None]) -> str:

@@ -374,6 +374,12 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     return _run.main(ns.argv)
 
 
+def _run_usage() -> str:
+    from ._run import USAGE  # one usage text: `opcontracts run --help` prints the same
+
+    return USAGE.removeprefix("usage: ")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser; one ``add_parser`` (or one call adding a subcommand) per line of commands."""
     from . import __version__
@@ -426,8 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
     prun = sub.add_parser("run", help="run a script (or -m module) with opcontracts.patch "
                           "applied; `opcontracts run --help` for options",
                           add_help=False, prefix_chars="\x00",
-                          usage="opcontracts run [--mode MODE] [--nan-check] [--report FILE] "
-                                "(script.py | -m module) [args ...]")
+                          usage=_run_usage())
     prun.add_argument("argv", nargs=argparse.REMAINDER)
     prun.set_defaults(func=_cmd_run)
     pr = sub.add_parser("report", help="work with saved report files")

@@ -435,3 +435,13 @@ def test_unpatch_restores_names_bound_after_the_patch(emu: Any) -> None:
         assert not getattr(user.npu_moe_token_unpermute, "__opcontracts_patched__", False)
     finally:
         del sys.modules["trust_user_mod"]
+
+
+def test_submodules_are_reachable_after_a_bare_import() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, opcontracts; r = opcontracts.reference; "
+            "print(callable(r.register), 'opcontracts.patch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "False"]
