@@ -139,6 +139,8 @@ class ReportFile:
     report: Report
     nan: dict[str, Any] | None
     metadata: dict[str, Any] | None
+    checked: dict[str, Any] | None = None   # ``run``'s statistics of what was checked
+    compare: dict[str, Any] | None = None   # ``run --compare``'s shadow-compare section
 
 
 def read_files(paths: Sequence[str]) -> list[ReportFile]:
@@ -157,10 +159,49 @@ def read_files(paths: Sequence[str]) -> list[ReportFile]:
         if rank is not None:
             for r in rep.records:
                 r.ranks = r.ranks or [rank]
-        out.append(ReportFile(p, rank, rep, data.get("nan_sentinel"), rep.metadata))
+        out.append(ReportFile(p, rank, rep, data.get("nan_sentinel"), rep.metadata,
+                              _section(data, "checked"), _section(data, "shadow_compare")))
     if bad:
         raise bad[0] if len(bad) == 1 else ReportFileError.several(bad)
     return out
+
+
+def _section(data: dict[str, Any], key: str) -> dict[str, Any] | None:
+    v = data.get(key)
+    return v if isinstance(v, dict) else None
+
+
+def merge_run_sections(files: Sequence[ReportFile]) -> tuple[dict[str, Any] | None,
+                                                              dict[str, Any] | None, list[str]]:
+    """The ``checked`` statistics and the ``shadow_compare`` sections of ``opcontracts run``
+    files, merged with the mechanisms ``run`` uses for its own rank-0 summary under torchrun
+    (``_stats.merge_stats``, ``compare.merge_sections``), and their lines of text."""
+    lines: list[str] = []
+    checked = compared = None
+    stats_parts = [(f.rank, f.checked) for f in files if f.checked]
+    if stats_parts:
+        from ._stats import RunStats, merge_stats
+
+        parsed = []
+        for r, d in stats_parts:
+            try:
+                parsed.append(RunStats.from_dict({**d, "ranks": [r] if r is not None else []}))
+            except (TypeError, ValueError, AttributeError):
+                lines += ["", f"(rank {r}: its 'checked' section cannot be read; left out)"]
+        stats = merge_stats(parsed)
+        checked = stats.to_dict()
+        lines += ["", *stats.lines()]
+    cmp_parts = [(f.rank, f.compare) for f in files if f.compare]
+    if cmp_parts:
+        from .compare import merge_sections, merged_lines
+
+        try:
+            compared = merge_sections(cmp_parts)
+            lines += ["", *merged_lines(compared)]
+        except (TypeError, ValueError, KeyError, AttributeError):
+            compared = None
+            lines += ["", "(the files' 'shadow_compare' sections cannot be read; left out)"]
+    return checked, compared, lines
 
 
 def merge_files(paths: Sequence[str]) -> tuple[Report, list[int]]:
@@ -374,7 +415,8 @@ def cmd_merge(ns: argparse.Namespace) -> int:
     merged = merge_reports(f.report for f in files)
     nan = merge_nan(files)
     disagreements = _version_disagreements(files)
-    print(format_merged(merged, ranks, len(paths), nan, disagreements))
+    checked, compared, run_lines = merge_run_sections(files)
+    print("\n".join([format_merged(merged, ranks, len(paths), nan, disagreements), *run_lines]))
     if ns.json:
         data = merged.to_dict()
         data["metadata"] = metadata()  # the merge's own; each file's is under "sources"
@@ -386,6 +428,10 @@ def cmd_merge(ns: argparse.Namespace) -> int:
             data["version_disagreements"] = list(disagreements)
         if nan is not None:
             data["nan_sentinel"] = nan
+        if checked is not None:
+            data["checked"] = checked
+        if compared is not None:
+            data["shadow_compare"] = compared
         d = os.path.dirname(ns.json)
         if d:
             os.makedirs(d, exist_ok=True)

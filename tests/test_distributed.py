@@ -112,7 +112,8 @@ def two_rank_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
                "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                "--master-port", str(_free_port()),
-               "-m", "opcontracts", "run", "--nan-check", "--report", str(out / "report.json"),
+               "-m", "opcontracts", "run", "--nan-check", "--compare", "--report",
+               str(out / "report.json"),
                str(script),
                str(out)]
         t0 = time.perf_counter()
@@ -196,6 +197,10 @@ def test_report_merge_names_rank1_alone(two_rank_job: Path, capsys: pytest.Captu
     assert (nan["seen_by"], nan["clean"]) == ([1], [0])
     assert [(s["rank"], s["first"] is None) for s in nan["per_rank"]] == [(0, True), (1, False)]
     assert nan["calls"] > 0
+    # run's own sections survive too: what was checked, and the golden compare, per rank
+    assert "shadow compare on rank(s) 0,1:" in out
+    assert data["shadow_compare"]["ranks"] == [0, 1] and data["shadow_compare"]["checked"] > 0
+    assert data["checked"]["ranks"] == [0, 1] and data["checked"]["calls"]
     # each file's metadata is kept, and says where it came from
     for k, src in enumerate(data["sources"]):
         meta = src["metadata"]
