@@ -135,7 +135,8 @@ class CompareResult:
     calls whose input gradients were; ``skipped``: calls of ops without a reference
     (``skipped_ops`` per op); ``unsampled``: calls left out by ``sample``; ``errors``: calls
     whose reference raised (``error_ops``); ``warnings``: outputs msprobe's rules only warn
-    about; ``repaired``: calls ``fix`` mode repaired (not judged: see ``_repaired``);
+    about; ``repaired``: calls ``fix`` mode repaired (judged on the repaired arguments: see
+    ``_repaired``);
     ``grads_skipped``: calls whose gradients cannot be compared because the op consumes one of
     its own outputs (a Python op: the gradient reaching that output is not only the outside's;
     a fused kernel is one autograd node and never does)."""
@@ -180,8 +181,8 @@ class CompareResult:
                          + ", ".join(f"{op} x{n}" for op, n in sorted(self.grads_skipped_ops.items()))
                          + ")")
         if self.repaired:
-            extra.append(f"{self.repaired} call(s) repaired by fix mode, not judged (the kernel "
-                         "got the repaired arguments; a guarded op it calls is judged on them)")
+            extra.append(f"{self.repaired} call(s) repaired by fix mode, judged on the repaired "
+                         "arguments the kernel got")
         if self.first is None:
             lines = [head + "; no divergence"]
             lines += ["  " + e for e in extra]
@@ -248,28 +249,33 @@ def _copy(value: Any, up: Mapping[torch.dtype, torch.dtype], device: torch.devic
     return value
 
 
-def _repaired(call: Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether ``fix`` mode will repair this call before the kernel runs.  The layer sits
-    outside the guard and sees the arguments as the user passed them, not as the kernel gets
-    them; judging the kernel's output against a reference of the unrepaired arguments would
-    report the repair's own rounding as a divergence.  Such a call is not judged (a guarded op
-    it calls, as MindSpeed's op calls torch_npu's, is judged on the repaired arguments)."""
+def _repaired(call: Call, args: tuple[Any, ...], kwargs: dict[str, Any],
+              ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """The arguments the kernel gets when ``fix`` mode repairs this call, or None when it does
+    not.  The layer sits outside the guard and sees the arguments as the user passed them;
+    judging the kernel's output against a reference of the unrepaired arguments would report
+    the repair's own rounding as a divergence, so the reference runs on the repaired ones
+    (the same planner as the guard's, ``_enforce.plan_fix``, on detached values)."""
     from . import _modes
-    from ._enforce import check_call, compiled_of
-    from .errors import ContractViolation
+    from ._enforce import _Bound, compiled_of, plan_fix
 
     if _modes.mode_for(call.op) is not _modes.FIX:
-        return False
+        return None
     try:
         cc = compiled_of(call.fn)
         if cc is None:
-            return False
-        check_call(cc, args, kwargs)
-    except ContractViolation:
-        return True
+            return None
+        raw = cc.check(*args, **kwargs)
+        if raw is None:
+            return None
+        with torch.no_grad():
+            b = _Bound(cc, args, kwargs)
+            repairs = plan_fix(cc, b, raw)
+        if repairs[-1].new is None:  # the call fails in the guard: nothing runs to judge
+            return None
+        return tuple(b.args), dict(b.kwargs)
     except Exception:  # the check's own trouble: judge the call as it is
-        return False
-    return False
+        return None
 
 
 class _State:
@@ -399,12 +405,14 @@ class ShadowCompare(Observer):
             return None
         assert call.args is not None and call.kwargs is not None
         args, kwargs = call.args, call.kwargs
-        if _repaired(call, args, kwargs):
+        given, given_kwargs = args, kwargs
+        fixed = _repaired(call, args, kwargs)
+        if fixed is not None:  # judged on what the kernel gets
+            args, kwargs = fixed
             with self._lock:
                 self._repaired += 1
-            return None
         grad = (self.backward and torch.is_grad_enabled()
-                and any(t.requires_grad for _, t in _observe.tensors(args, kwargs)))
+                and any(t.requires_grad for _, t in _observe.tensors(given, given_kwargs)))
         try:
             device = self._device_of()
             up = _upcast_map(args, kwargs)
@@ -415,8 +423,8 @@ class ShadowCompare(Observer):
             self._error(call.op, exc)
             return None
         st = _State(ref, cargs, ckwargs, grad, device)
-        if grad:
-            originals = list(_observe.tensors(args, kwargs))
+        if grad:  # the user's tensors (the gradients reach them) by their copies' positions
+            originals = list(_observe.tensors(given, given_kwargs))
             copies = list(_observe.tensors(cargs, ckwargs))
             st.by_key = {k: c for (k, t), (_, c) in zip(originals, copies) if t.requires_grad
                          and c.requires_grad}

@@ -132,11 +132,12 @@ def test_fp32_probs_on_kernels_that_take_them_give_no_divergence(moe: types.Modu
     assert res.first is None, res.summary()
 
 
-def test_fix_mode_repair_is_not_judged_and_the_repaired_inner_call_is(
+def test_fix_mode_repairs_are_judged_on_the_repaired_arguments(
         moe: types.ModuleType) -> None:
     res, _, model = _step(moe, seed=0, mode="fix")
     assert res.first is None, res.summary()
     assert res.repaired == 3  # MindSpeed's unpermute in each block: fp32 probs cast to bf16
+    assert res.checked_ops["mindspeed.npu_moe_token_unpermute"] == 3  # judged, on bf16 probs
     assert res.checked_ops["npu_moe_token_unpermute"] == 3  # torch_npu's op, on bf16 probs
     assert res.checked_ops["npu_moe_token_unpermute_grad"] == 3
 
