@@ -53,9 +53,13 @@ def warn_setting(variable: str, message: str, category: type[Warning] = RuntimeW
         warnings.warn_explicit(text, category, f"<{variable}>", 0, module=variable)
         return
     g = f.f_globals
-    warnings.warn_explicit(text, category, f.f_code.co_filename, f.f_lineno,
-                           module=str(g.get("__name__", "<unknown>")),
-                           registry=g.setdefault("__warningregistry__", {}), module_globals=g)
+    where = (text, category, f.f_code.co_filename, f.f_lineno)
+    module = str(g.get("__name__", "<unknown>"))
+    registry = g.setdefault("__warningregistry__", {})
+    try:
+        warnings.warn_explicit(*where, module=module, registry=registry, module_globals=g)
+    except ImportError:  # `python -c`: the source lookup through __main__'s loader fails
+        warnings.warn_explicit(*where, module=module, registry=registry)
 
 
 def reset() -> None:

@@ -72,7 +72,13 @@ def available() -> bool:
     """Whether the memo works with this torch (decided once, on first use)."""
     ok = _state[0]
     if ok is None:
-        if os.environ.get("OPCONTRACTS_MEMO", "").strip().lower() in ("0", "false", "no", "off"):
+        raw = os.environ.get("OPCONTRACTS_MEMO", "").strip().lower()
+        if raw not in ("", "0", "false", "no", "off", "1", "true", "yes", "on"):
+            from ._envwarn import warn_setting  # only speed depends on it: a warning
+
+            warn_setting("OPCONTRACTS_MEMO", f"cannot read {raw!r}; expected 0/off (memo off) "
+                         "or 1/on; the memo stays on")
+        if raw in ("0", "false", "no", "off"):
             ok = False
         else:
             try:

@@ -90,9 +90,16 @@ def _initial() -> _State:
 
 
 def check_setting() -> None:
-    """Raise ``SettingError`` if ``OPCONTRACTS_MODE`` held a value that is not a mode."""
+    """Raise ``SettingError`` if ``OPCONTRACTS_MODE`` (or another setting that decides what is
+    checked, ``OPCONTRACTS_VALUES``) held a value that cannot be used."""
     if _setting_error:
-        raise SettingError(_setting_error[0])
+        raise SettingError("; ".join(_setting_error))
+
+
+def report_setting_error(message: str) -> None:
+    """A setting read from the environment cannot be used: ``check_setting`` raises it."""
+    if message not in _setting_error:
+        _setting_error.append(message)
 
 
 _global_state = _initial()

@@ -18,7 +18,25 @@ if TYPE_CHECKING:
 
 __all__ = ["ENABLED", "set_value_checks", "value_checks_enabled", "check_values", "describe"]
 
-ENABLED: list[bool] = [os.environ.get("OPCONTRACTS_VALUES", "").strip().lower() in ("1", "true", "yes", "on")]
+_ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def _from_env() -> bool:
+    """``OPCONTRACTS_VALUES``; a value that is neither on nor off stops a job's start-up as a
+    bad ``OPCONTRACTS_MODE`` does (``_modes.check_setting``): a typo must not silently turn
+    value checks off."""
+    raw = os.environ.get("OPCONTRACTS_VALUES", "").strip().lower()
+    if raw in _ON:
+        return True
+    if raw not in _OFF:
+        from ._modes import report_setting_error
+
+        report_setting_error(f"OPCONTRACTS_VALUES: cannot read {raw!r}; expected one of "
+                             "1, true, yes, on (value checks on) or 0, false, no, off")
+    return False
+
+
+ENABLED: list[bool] = [_from_env()]
 
 
 def set_value_checks(enabled: bool) -> bool:

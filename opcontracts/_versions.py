@@ -380,7 +380,18 @@ def _detect() -> Env:
         var = ENV_VARS.get(name)
         raw = os.environ.get(var, "").strip() if var else ""
         if raw:
-            put(name, None if raw.lower() == UNKNOWN else raw, f"${var}")
+            if raw.lower() == UNKNOWN:
+                put(name, None, f"${var}")
+            elif name != "soc" and normalize_version(raw) is None:
+                # unreadable: unknown (every candidate applies, merged strictest), and said so
+                put(name, None, f"${var} ({raw!r} is not a version: read as unknown)")
+                from ._envwarn import warn_setting
+
+                warn_setting(str(var), f"{raw!r} is not a version (try '2.13.0' or '8.0.RC3'); "
+                             "read as unknown, so every candidate contract applies, merged into "
+                             "the strictest reading")
+            else:
+                put(name, raw, f"${var}")
             continue
         if name in ("torch_npu", "mindspeed"):
             dists = ("torch-npu", "torch_npu") if name == "torch_npu" else ("mindspeed",)

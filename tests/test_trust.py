@@ -445,3 +445,25 @@ def test_submodules_are_reachable_after_a_bare_import() -> None:
             "print(callable(r.register), 'opcontracts.patch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["True", "False"]
+
+
+@pytest.mark.parametrize(("var", "value", "expect_rc", "text"), [
+    ("OPCONTRACTS_VALUES", "maybe", 1, "SettingError: OPCONTRACTS_VALUES: cannot read 'maybe'"),
+    ("OPCONTRACTS_CANN_VERSION", "garbage", 0, "'garbage' is not a version"),
+])
+def test_other_settings_are_read_or_refused_out_loud(var: str, value: str, expect_rc: int,
+                                                      text: str) -> None:
+    """A typo in OPCONTRACTS_VALUES silently turned value checks off; an unreadable version
+    override was taken as given (and read as unknown without a word)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, var: value}
+    code = ("import opcontracts.patch, opcontracts._versions as v; "
+            "print('cann', v.current().cann)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == expect_rc, out.stderr
+    assert text in out.stderr
+    if expect_rc == 0:
+        assert out.stdout.strip() == "cann None"
