@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import random
 import threading
-import warnings
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -50,6 +49,7 @@ from typing import Any, Literal
 import torch
 
 from . import _observe, reference
+from ._findings import Findings, react
 from ._judge import SOURCE, Thresholds, Verdict, judge
 from ._observe import Call, Direction, Observer
 
@@ -363,10 +363,9 @@ class ShadowCompare(Observer):
 
     def reset(self) -> None:
         with self._lock:
-            self._first: Divergence | None = None
-            self._events: list[Divergence] = []
+            self._found: Findings[Divergence] = Findings(self.max_events)
             self._checked = self._grads_checked = self._skipped = self._unsampled = 0
-            self._errors = self._warnings = self._dropped = self._seq = self._repaired = 0
+            self._errors = self._warnings = self._seq = self._repaired = 0
             self._grads_skipped = 0
             self._grads_skipped_ops: dict[str, int] = {}
             self._skipped_ops: dict[str, int] = {}
@@ -375,9 +374,10 @@ class ShadowCompare(Observer):
 
     def result(self) -> CompareResult:
         with self._lock:
-            return CompareResult(self._first, list(self._events), self._checked,
+            f = self._found
+            return CompareResult(f.first, list(f.events), self._checked,
                                  self._grads_checked, self._skipped, self._unsampled,
-                                 self._errors, self._warnings, self._dropped, self.sample,
+                                 self._errors, self._warnings, f.dropped, self.sample,
                                  dict(self._skipped_ops), dict(self._error_ops),
                                  dict(self._checked_ops), self._repaired,
                                  self._grads_skipped, dict(self._grads_skipped_ops))
@@ -549,17 +549,9 @@ class ShadowCompare(Observer):
                             v.thresholds, str(site) if site is not None else None, module,
                             module_type, backward_of,
                             str(expected.dtype).removeprefix("torch."), self._seq)
-            first = self._first is None
-            if first:
-                self._first = ev
-            if len(self._events) < self.max_events:
-                self._events.append(ev)
-            else:
-                self._dropped += 1
-        if first and self.on_divergence == "warn":
-            warnings.warn(ev.message(), RuntimeWarning, stacklevel=5)
-        elif first and self.on_divergence == "raise":
-            raise DivergenceError(ev)
+            first = self._found.add(ev)
+        if first:
+            react(self.on_divergence, ev.message(), lambda: DivergenceError(ev), stacklevel=5)
 
 
 # --------------------------------------------------------------------------- across ranks

@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import math
 import threading
-import warnings
 from dataclasses import asdict, dataclass, field
 from types import TracebackType
 from typing import Any, Literal
@@ -66,6 +65,7 @@ from torch import nn
 
 from . import _observe
 from ._callsite import CallSite
+from ._findings import Findings, react
 from ._modpath import clean as clean_module_path
 from ._observe import Call, Direction, Observer
 
@@ -270,12 +270,10 @@ class NanSentinel(Observer):
         self.max_events = max_events
         self._lock = threading.Lock()
         self._enabled = False
-        self._first: NanEvent | None = None
-        self._events: list[NanEvent] = []
+        self._found: Findings[NanEvent] = Findings(max_events)
         self._received: NanEvent | None = None
         self._calls = 0
         self._seq = 0
-        self._dropped = 0
 
     # ----------------------------------------------------------------- public
     def enable(self) -> NanSentinel:
@@ -308,17 +306,15 @@ class NanSentinel(Observer):
     def reset(self) -> None:
         """Forget what was found."""
         with self._lock:
-            self._first = None
-            self._events = []
+            self._found.clear()
             self._received = None
             self._calls = 0
             self._seq = 0
-            self._dropped = 0
 
     def result(self) -> NanResult:
         with self._lock:
-            return NanResult(self._first, list(self._events), self._received, self._calls,
-                             self._dropped)
+            f = self._found
+            return NanResult(f.first, list(f.events), self._received, self._calls, f.dropped)
 
     def __enter__(self) -> NanSentinel:
         return self.enable()
@@ -340,20 +336,12 @@ class NanSentinel(Observer):
                           str(site) if site is not None else None, module, module_type,
                           backward_of, self._seq)
             if kind == "received":
-                if self._received is None and self._first is None:
+                if self._received is None and self._found.first is None:
                     self._received = ev
                 return
-            first = self._first is None
-            if first:
-                self._first = ev
-            if len(self._events) < self.max_events:
-                self._events.append(ev)
-            else:
-                self._dropped += 1
-        if first and self.on_nan == "warn":
-            warnings.warn(ev.message(), RuntimeWarning, stacklevel=4)
-        elif first and self.on_nan == "raise":
-            raise NonFiniteError(ev)
+            first = self._found.add(ev)
+        if first:
+            react(self.on_nan, ev.message(), lambda: NonFiniteError(ev), stacklevel=4)
 
     # ----------------------------------------------------------------- the observed call
     def begin(self, call: Call) -> Any:

@@ -1,0 +1,46 @@
+"""What an observer that reports findings keeps: the first, a bounded list, a count of the rest,
+and what to do at the first one (record, warn, raise).  The NaN sentinel and the shadow compare
+both keep their events this way.  The caller holds its own lock around ``add``; ``react`` is
+called outside it (it may raise into the user's call)."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+__all__ = ["Findings", "react"]
+
+E = TypeVar("E")
+
+
+class Findings(Generic[E]):
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.clear()
+
+    def clear(self) -> None:
+        self.first: E | None = None
+        self.events: list[E] = []
+        self.dropped = 0
+
+    def add(self, event: E) -> bool:
+        """Keep ``event`` (or count it, beyond ``limit``); whether it is the first."""
+        first = self.first is None
+        if first:
+            self.first = event
+        if len(self.events) < self.limit:
+            self.events.append(event)
+        else:
+            self.dropped += 1
+        return first
+
+
+def react(policy: str, message: str, error: Callable[[], BaseException],
+          stacklevel: int) -> None:
+    """At the first finding: ``"warn"`` warns (``RuntimeWarning`` at ``stacklevel`` above the
+    caller), ``"raise"`` raises ``error()``, anything else only records."""
+    if policy == "warn":
+        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
+    elif policy == "raise":
+        raise error()
