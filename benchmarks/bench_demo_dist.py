@@ -61,22 +61,20 @@ def _steps(setting: Any, steps: int) -> dict[str, Any]:
             model(*batch).backward()
             model.zero_grad(set_to_none=True)
 
-        # the model file bound the guards by `from x import f` after the patch was applied:
-        # unpatch() does not know those names (it restores what it patched or rebound itself)
-        guards = {k: v for k, v in vars(mod).items() if getattr(v, "__opcontracts_patched__",
-                                                               False)}
+        def guarded() -> bool:
+            return any(getattr(v, "__opcontracts_patched__", False) for v in vars(mod).values())
 
         def block(series: str, n: int) -> None:
             """Switch the patch (un)applied, one untimed step (a fresh guard builds its checker
-            and learns its memo on its first calls), then ``n`` timed steps."""
+            and learns its memo on its first calls), then ``n`` timed steps.  The model file
+            bound the ops by `from x import f` after the patch: unpatch() puts the originals
+            back in those names too, and apply() rebinds them."""
             if series == "strict":
                 patch.apply()
-                vars(mod).update(guards)
+                assert guarded()
             else:
                 patch.unpatch()
-                vars(mod).update({k: g.__wrapped__ for k, g in guards.items()})
-                assert not any(getattr(v, "__opcontracts_patched__", False)
-                               for v in vars(mod).values())
+                assert not guarded()
             with opcontracts.mode("strict"):
                 step()
                 for _ in range(n):
