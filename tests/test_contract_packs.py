@@ -387,6 +387,14 @@ EXTRAS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
         "atten_mask": torch.zeros(4, 4, dtype=torch.bool)},
     "npu_moe_gating_top_k_softmax": lambda b: {"finished": torch.zeros(N, dtype=torch.bool)},
     "npu_moe_finalize_routing": lambda b: {"skip2": torch.zeros_like(b["skip1"])},
+    # the quantized-mode arguments, in their documented dtypes (int8 x / weight are not needed
+    # for the contract to accept them)
+    "npu_grouped_matmul": lambda b: {
+        "bias": [torch.zeros(5, dtype=FP32) for _ in range(3)],
+        "scale": [torch.ones(5) for _ in range(3)],
+        "antiquant_scale": [torch.ones(5, dtype=BF16) for _ in range(3)],
+        "antiquant_offset": [torch.zeros(5, dtype=BF16) for _ in range(3)],
+        "per_token_scale": [torch.ones(6)]},
 }
 
 
@@ -458,16 +466,19 @@ def test_wrong_rank_is_reported_naming_the_argument(contract: Contract, name: st
     value = bound[name]
     a = contract.args[name]
     allowed = set(a.rank or ()) | {parse_shape(s).fixed_rank for s in a.shape or ()}
-    if not isinstance(value, torch.Tensor):
+    partners = _partners(contract, name)
+    if a.tensor_list:  # a list of tensors: its first element gets the wrong rank
+        value, partners = value[0], {f"{p}[0]" for p in partners}
+    elif not isinstance(value, torch.Tensor):
         value = torch.tensor(value)
     bad = value
     while bad.dim() in allowed:
         bad = bad.unsqueeze(0)
-    bound[name] = bad
+    bound[name] = [bad, *bound[name][1:]] if a.tensor_list else bad
     args2, kw = _split(contract, bound)
     with pytest.raises(ContractViolation) as info:
         opcontracts.check(contract, *args2, **kw)
-    assert info.value.arg in _partners(contract, name)
+    assert info.value.arg in partners
     assert info.value.rule in ("rank", "shape", "same_shape")
     assert f"argument '{info.value.arg}'" in str(info.value)
 

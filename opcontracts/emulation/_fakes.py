@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..reference._matmul import out_dtype
 from . import _kernels as K
 
 __all__ = [
@@ -168,22 +169,52 @@ def npu_grouped_matmul(
     weight: Sequence[torch.Tensor],
     *,
     bias: Sequence[torch.Tensor] | None = None,
+    scale: Sequence[torch.Tensor] | None = None,
+    offset: Sequence[torch.Tensor] | None = None,
+    antiquant_scale: Sequence[torch.Tensor] | None = None,
+    antiquant_offset: Sequence[torch.Tensor] | None = None,
+    per_token_scale: Sequence[torch.Tensor] | None = None,
     group_list: torch.Tensor | None = None,
+    activation_input: Sequence[torch.Tensor] | None = None,
+    activation_quant_scale: Sequence[torch.Tensor] | None = None,
+    activation_quant_offset: Sequence[torch.Tensor] | None = None,
     split_item: int | None = 0,
     group_type: int | None = None,
     group_list_type: int | None = 0,
+    act_type: int | None = 0,
+    tuning_config: Sequence[int] | None = None,
+    output_dtype: int | None = None,
+    x_dtype: int | None = None,
+    weight_dtype: int | None = None,
+    scale_dtype: int | None = None,
+    per_token_scale_dtype: int | None = None,
 ) -> list[torch.Tensor]:
+    # the meta kernel's shapes (torch_npu 2.14.0 _meta_registrations.py), the reference's
+    # per-group outputs for group_type 0 with split_item 0/1 (data-dependent rows)
     ws = K.grouped_weights(weight)
+    dtype = out_dtype(output_dtype, x[0])
+
+    def n_of(w: torch.Tensor) -> int:
+        return w.size(-1) * 8 if w.dtype == _I32 else w.size(-1)
+
+    single = split_item in (2, 3)
+    if K.is_grouped(x, group_type) and group_type == 2:
+        xs = x[0]
+        n_groups = group_list.size(0) if group_list is not None else 1
+        n = n_of(ws[0])
+        if single:
+            return [xs.new_empty((n_groups, xs.size(0), n), dtype=dtype)]
+        return [xs.new_empty((xs.size(0), n), dtype=dtype) for _ in range(n_groups)]
     if K.is_grouped(x, group_type):
         xs = x[0]
-        if split_item in (2, 3):
-            return [xs.new_empty((xs.size(0), ws[0].size(-1)))]
+        if single:
+            return [xs.new_empty((xs.size(0), n_of(ws[0])), dtype=dtype)]
         ctx = torch.library.get_ctx()
-        return [xs.new_empty((ctx.new_dynamic_size(), w.size(-1))) for w in ws]
-    outs = [xi.new_empty((xi.size(0), ws[i].size(-1))) for i, xi in enumerate(x)]
-    if split_item in (2, 3):
-        rows = sum(o.size(0) for o in outs)
-        return [outs[0].new_empty((rows, outs[0].size(1)))]
+        return [xs.new_empty((ctx.new_dynamic_size(), n_of(w)), dtype=dtype) for w in ws]
+    outs = [xi.new_empty((*xi.shape[:-1], n_of(ws[i])), dtype=dtype) for i, xi in enumerate(x)]
+    if single:
+        rows = sum(o.numel() // o.size(-1) for o in outs)
+        return [outs[0].new_empty((rows, outs[0].size(-1)))]
     return outs
 
 

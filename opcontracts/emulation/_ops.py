@@ -38,8 +38,8 @@ __all__ = ["NAMESPACE", "OPS", "OP_NAMES", "OpDef", "deregister", "register", "t
 NAMESPACE = "npu"
 
 # The ops of the first packs; their schemas are torch_npu 2.14.0's, read from the wheel digest
-# (``_family.digest_schema``), except where an entry below still shortens one (the quantization
-# arguments of npu_grouped_matmul, the arguments after ``sync`` of npu_fusion_attention), until
+# (``_family.digest_schema``), except where an entry below still shortens one (the arguments
+# after ``sync`` of npu_fusion_attention), until
 # the reference takes every argument of the real schema.
 _FIRST_PACKS = (
     "npu_moe_token_permute", "npu_moe_token_permute_grad", "npu_moe_token_unpermute",
@@ -49,7 +49,6 @@ _FIRST_PACKS = (
     "npu_grouped_matmul", "npu_rms_norm", "npu_swiglu", "npu_rotary_mul", "npu_fusion_attention",
 )
 _SHORTENED: dict[str, str] = {
-    "npu_grouped_matmul": "npu_grouped_matmul(Tensor[] x, Tensor[] weight, *, Tensor[]? bias=None, Tensor? group_list=None, int? split_item=0, int? group_type=None, int? group_list_type=0) -> Tensor[]",
     "npu_fusion_attention": "npu_fusion_attention(Tensor query, Tensor key, Tensor value, int head_num, str input_layout, Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, float scale=1., float keep_prob=1., int pre_tockens=2147483647, int next_tockens=2147483647, int inner_precise=0, int[]? prefix=None, int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, int sparse_mode=0, bool gen_mask_parallel=True, bool sync=False) -> (Tensor, Tensor, Tensor, Tensor, int, int, int)",
 }
 SCHEMAS: dict[str, str] = {

@@ -95,12 +95,18 @@ _COMMON: dict[str, dict[str, tuple[str, ...]]] = {
     "npu_moe_gating_top_k_softmax": {"x": FLOATS, "finished": ("bool",)},
     # torch_npu 2.13/2.14 docs: input 1-D int32.
     "npu_moe_compute_expert_tokens": {"sorted_expert_for_source_row": INT32},
-    # torch_npu 2.13/2.14 docs (aclnnGroupedMatmulV4), non-quantized: fp16/bf16/fp32;
-    # group_list int64.
+    # torch_npu 2.14.0 docs (aclnnGroupedMatmulV4): x fp16/bf16/fp32, int8 when quantized;
+    # weight also int8 / int4 (carried in int32) when quantized or antiquant; bias fp16/fp32
+    # (fp32 with bf16 x), int32 when quantized; scale fp32/bf16/int64; per_token_scale fp32;
+    # antiquant scale/offset fp16/bf16; group_list int64.
     "npu_grouped_matmul": {
-        "x": FLOATS,
-        "weight": FLOATS,
-        "bias": FLOATS,
+        "x": (*FLOATS, "int8"),
+        "weight": (*FLOATS, "int8", "int32"),
+        "bias": ("fp32", "fp16", "int32"),
+        "scale": ("fp32", "bf16", "int64"),
+        "per_token_scale": ("fp32",),
+        "antiquant_scale": ("bf16", "fp16"),
+        "antiquant_offset": ("bf16", "fp16"),
         "group_list": ("int64",),
     },
     # torch_npu 2.13/2.14 docs: self and gamma fp16/bf16/fp32.

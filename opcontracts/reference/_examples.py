@@ -98,8 +98,10 @@ def expert_tokens(gen: torch.Generator) -> Example:
 
 
 def grouped_matmul(gen: torch.Generator) -> Example:
-    return ([_vals(gen, 6, H)], [_vals(gen, 3, H, 5)]), {
-        "bias": [_vals(gen, 5) for _ in range(3)],
+    # "single x, several weights, single y" (torch_npu 2.14.0 doc, group_type 0): weights as a
+    # list of 2-D ones, one 1-D bias each (fp32 with bf16 x, as the doc's table says)
+    return ([_vals(gen, 6, H)], [_vals(gen, H, 5) for _ in range(3)]), {
+        "bias": [_vals(gen, 5).float() for _ in range(3)],
         "group_list": torch.tensor([2, 5, 6]), "split_item": 3, "group_type": 0,
         "group_list_type": 0}
 

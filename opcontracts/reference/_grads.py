@@ -140,24 +140,66 @@ def unpermute_with_routing_map_backward(
     return result
 
 
+_GMM_QUANT = ("scale", "offset", "antiquant_scale", "antiquant_offset", "per_token_scale")
+
+
+def _grouped_matmul_autograd(inputs: dict[str, Any], grads: Any) -> dict[str, Any]:
+    """Autograd through the reference: quantized modes and activations (not trained through on
+    the NPU; torch_npu has no backward for them), floating inputs only."""
+    from ._matmul import npu_grouped_matmul
+
+    def leaf(v: Any) -> Any:
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return v.detach().requires_grad_()
+        if isinstance(v, (list, tuple)):
+            return [leaf(t) for t in v]
+        return v
+
+    call = {k: leaf(v) for k, v in inputs.items()}
+    with torch.enable_grad():
+        outs = npu_grouped_matmul(**call)
+    pairs = [(o, g) for o, g in zip(outs, grads, strict=False)
+             if g is not None and o.requires_grad]
+    names = [k for k, v in call.items() if isinstance(v, list)
+             and any(isinstance(t, torch.Tensor) and t.requires_grad for t in v)]
+    leaves = [t for k in names for t in call[k] if t.requires_grad]
+    if not pairs or not leaves:
+        return {}
+    got = iter(torch.autograd.grad([o for o, _ in pairs], leaves,
+                                   [g.to(o.dtype) for o, g in pairs], allow_unused=True))
+    result: dict[str, Any] = {}
+    for k in names:
+        result[k] = [next(got) if t.requires_grad else None for t in call[k]]
+    return result
+
+
 def grouped_matmul_backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[str, Any]:
-    """Grads of x, weight and bias; the grouped case uses a one-hot row->group map so that the
-    backward has static shapes (traceable by torch.compile)."""
+    """Grads of x, weight and bias (non-quantized, no activation: the mode MindSpeed and
+    Megatron train through); the grouped cases use a one-hot row->group (M split) or
+    column->group (K split) map so that the backward has static shapes (traceable by
+    torch.compile).  Quantized modes and activations: autograd through the reference."""
+    if any(inputs.get(k) for k in _GMM_QUANT) or inputs.get("act_type") or \
+            inputs.get("output_dtype") is not None:
+        return _grouped_matmul_autograd(inputs, grads)
     x: list[torch.Tensor] = list(inputs["x"])
     weight: list[torch.Tensor] = list(inputs["weight"])
     bias = inputs["bias"]
-    gs = [g.to(_F32) for g in grads]
+    gs = [g.to(_F32) if g is not None else None for g in grads]
     result: dict[str, Any] = {}
+    group_list = inputs["group_list"]
+    if is_grouped(x, inputs["group_type"]) and inputs["group_type"] == 2:
+        return _k_split_backward(x[0], weight, group_list, inputs["group_list_type"],
+                                 inputs["split_item"], gs)
     if is_grouped(x, inputs["group_type"]):
         xs = x[0].to(_F32)
         w3 = weight[0].to(_F32) if len(weight) == 1 and weight[0].dim() == 3 else torch.stack(
             [w.to(_F32) for w in weight]
         )
         n_groups = w3.size(0)
-        g = gs[0] if len(gs) == 1 else torch.cat(gs, 0)
+        gz = [g if g is not None else torch.zeros((0, w3.size(-1)), dtype=_F32) for g in gs]
+        g = gz[0] if len(gz) == 1 else torch.cat(gz, 0)
         if inputs["split_item"] not in (2, 3):  # per-group outputs; rows past the end get none
             g = torch.cat([g, g.new_zeros((xs.size(0) - g.size(0), g.size(1)))], 0)
-        group_list = inputs["group_list"]
         if group_list is None:
             ends = torch.full((n_groups,), xs.size(0), dtype=torch.int64, device=xs.device)
         else:
@@ -175,18 +217,53 @@ def grouped_matmul_backward(inputs: dict[str, Any], outputs: Any, grads: Any) ->
             result["weight"] = [gw.to(w.dtype) for gw, w in zip(grad_w3.unbind(0), weight, strict=True)]
         if bias:
             grad_b = torch.einsum("me,mn->en", onehot, g)
-            result["bias"] = [gb.to(b.dtype) for gb, b in zip(grad_b.unbind(0), bias, strict=False)]
+            if len(bias) == 1 and bias[0].dim() == 2:
+                result["bias"] = [grad_b.to(bias[0].dtype)]
+            else:
+                result["bias"] = [gb.to(b.dtype) for gb, b in zip(grad_b.unbind(0), bias, strict=False)]
         return result
     ws = grouped_weights(weight)
     if len(gs) == 1 and len(x) > 1:  # split_item 2/3: one concatenated output
-        gs = list(gs[0].split([xi.size(0) for xi in x], 0))
-    result["x"] = [(g @ w.to(_F32).T).to(xi.dtype) for g, w, xi in zip(gs, ws, x, strict=False)]
-    result["weight"] = [
-        (xi.to(_F32).T @ g).to(w.dtype) for g, w, xi in zip(gs, ws, x, strict=False)
-    ]
+        assert gs[0] is not None
+        gs = list(gs[0].split([xi.numel() // xi.size(-1) for xi in x], 0))
+    gs = [g.reshape(-1, g.size(-1)) if g is not None else None for g in gs]
+    flat = [xi.reshape(-1, xi.size(-1)).to(_F32) for xi in x]
+    result["x"] = [(g @ w.to(_F32).T).reshape(xi.shape).to(xi.dtype) if g is not None else None
+                   for g, w, xi in zip(gs, ws, x, strict=False)]
+    result["weight"] = [(xf.T @ g).to(w.dtype) if g is not None else None
+                        for g, w, xf in zip(gs, ws, flat, strict=False)]
     if bias:
-        result["bias"] = [g.sum(0).to(b.dtype) for g, b in zip(gs, bias, strict=False)]
+        result["bias"] = [g.sum(0).to(b.dtype) if g is not None else None
+                          for g, b in zip(gs, bias, strict=False)]
     return result
+
+
+def _k_split_backward(x: torch.Tensor, weight: list[torch.Tensor], group_list: Any,
+                      group_list_type: Any, split_item: Any, gs: list[Any]) -> dict[str, Any]:
+    """group_type 2: y_g = x[:, k_g] @ w[k_g]; a one-hot column->group map (static shapes)."""
+    w = weight[0] if len(weight) == 1 else torch.cat(list(weight), 0)
+    n_groups = group_list.numel() if group_list is not None else 1
+    if split_item in (2, 3):
+        gy = gs[0]
+    else:
+        gy = torch.stack([g if g is not None else torch.zeros((x.size(0), w.size(-1)),
+                                                                dtype=_F32) for g in gs])
+    if group_list is None:
+        ends = torch.full((1,), x.size(1), dtype=torch.int64, device=x.device)
+    else:
+        values = group_list.reshape(-1).long()
+        ends = torch.cumsum(values, 0) if group_list_type == 1 else values
+    col = torch.arange(x.size(1), device=x.device)
+    group_of_col = torch.searchsorted(ends.contiguous(), col, right=True)
+    onehot = (group_of_col.unsqueeze(1) == torch.arange(n_groups, device=x.device)).to(_F32)
+    grad_x = torch.einsum("kg,gmn,kn->mk", onehot, gy, w.to(_F32))
+    grad_w = torch.einsum("kg,mk,gmn->kn", onehot, x.to(_F32), gy)
+    if len(weight) == 1:
+        grad_ws = [grad_w.to(weight[0].dtype)]
+    else:
+        grad_ws = [gw.to(wi.dtype) for gw, wi in
+                   zip(grad_w.split([wi.size(0) for wi in weight], 0), weight, strict=True)]
+    return {"x": [grad_x.to(x.dtype)], "weight": grad_ws}
 
 
 def rms_norm_backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[str, Any]:
