@@ -290,6 +290,24 @@ BUILDERS: dict[str, Callable[[Contract], Call]] = {
     "mindspeed.npu_ring_attention_update": _ring,
 }
 
+
+def _example(op: str) -> Callable[[Contract], Call]:
+    """An op of issue 15's families: its reference's example inputs (conforming, and read
+    correctly by every emulation profile)."""
+    def build(c: Contract) -> Call:
+        ref = opcontracts.reference.get(op)
+        assert ref is not None and ref.example is not None, op
+        return ref.example(_g())
+    return build
+
+
+# Every other shipped op that has a reference with example inputs gets them as its case; an op
+# without one has no case (the first test below fails on it).
+for _c in SHIPPED:
+    _ref = opcontracts.reference.get(_c.op)
+    if _c.op not in BUILDERS and _ref is not None and _ref.example is not None:
+        BUILDERS[_c.op] = _example(_c.op)
+
 REFERENCES: dict[str, Callable[..., Any]] = {
     "mindspeed.npu_moe_token_unpermute": _kernels.npu_moe_token_unpermute,
     "mindspeed.npu_moe_token_permute": _kernels.npu_moe_token_permute,
@@ -302,7 +320,8 @@ REFERENCES: dict[str, Callable[..., Any]] = {
 
 
 def _reference(op: str) -> Callable[..., Any]:
-    return REFERENCES.get(op) or getattr(_kernels, op)
+    family = opcontracts.reference.get(op)  # issue 15's families: their reference module's
+    return REFERENCES.get(op) or getattr(_kernels, op, None) or family.forward  # type: ignore[union-attr]
 
 
 def _resolve_target(path: str) -> Any:
@@ -387,6 +406,12 @@ EXTRAS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
         "atten_mask": torch.zeros(4, 4, dtype=torch.bool)},
     "npu_moe_gating_top_k_softmax": lambda b: {"finished": torch.zeros(N, dtype=torch.bool)},
     "npu_moe_finalize_routing": lambda b: {"skip2": torch.zeros_like(b["skip1"])},
+    # moe serving: the arguments their examples leave out (offset: unused in the supported
+    # modes; the hash-mode tables of gating top-k)
+    "npu_moe_init_routing_v2": lambda b: {"offset": torch.zeros(1)},
+    "npu_moe_gating_top_k": lambda b: {
+        "input_ids": torch.zeros(b["x"].size(0), dtype=torch.int32),
+        "tid2eid": torch.zeros(3, b["k"], dtype=torch.int32)},
     # the quantized-mode arguments, in their documented dtypes (int8 x / weight are not needed
     # for the contract to accept them)
     "npu_grouped_matmul": lambda b: {
