@@ -403,7 +403,15 @@ EXTRAS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
         "actual_seq_qlen": torch.tensor([1, 3, 4])},
     "npu_fusion_attention": lambda b: {
         "pse": torch.zeros(1, 2, 4, 4, dtype=b["query"].dtype),
-        "atten_mask": torch.zeros(4, 4, dtype=torch.bool)},
+        "atten_mask": torch.zeros(4, 4, dtype=torch.bool),
+        "prefix": [0], "actual_seq_qlen": [4], "actual_seq_kvlen": [4], "sink": torch.zeros(2)},
+    # attention: the arguments the examples (varlen, TND) leave out
+    "npu_fusion_attention_grad": lambda b: {"prefix": [0, 0]},
+    "npu_fusion_attention_v2": lambda b: {
+        "pse": torch.zeros(1, 2, 4, 4, dtype=b["query"].dtype), "prefix": [0, 0],
+        "q_start_idx": [0], "kv_start_idx": [0]},
+    "npu_fusion_attention_grad_v2": lambda b: {
+        "pse": torch.zeros(1, 2, 4, 4, dtype=b["query"].dtype)},
     "npu_moe_gating_top_k_softmax": lambda b: {"finished": torch.zeros(N, dtype=torch.bool)},
     "npu_moe_finalize_routing": lambda b: {"skip2": torch.zeros_like(b["skip1"])},
     # moe serving: the arguments their examples leave out (offset: unused in the supported

@@ -16,7 +16,6 @@ from ..reference._matmul import out_dtype
 from . import _kernels as K
 
 __all__ = [
-    "npu_fusion_attention",
     "npu_grouped_matmul",
     "npu_moe_compute_expert_tokens",
     "npu_moe_finalize_routing",
@@ -241,41 +240,3 @@ def npu_rotary_mul(
 ) -> torch.Tensor:
     return self.new_empty(torch.broadcast_shapes(self.shape, r1.shape, r2.shape))
 
-
-def npu_fusion_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    head_num: int,
-    input_layout: str,
-    pse: torch.Tensor | None = None,
-    padding_mask: torch.Tensor | None = None,
-    atten_mask: torch.Tensor | None = None,
-    scale: float = 1.0,
-    keep_prob: float = 1.0,
-    pre_tockens: int = 2147483647,
-    next_tockens: int = 2147483647,
-    inner_precise: int = 0,
-    prefix: Sequence[int] | None = None,
-    actual_seq_qlen: Sequence[int] | None = None,
-    actual_seq_kvlen: Sequence[int] | None = None,
-    sparse_mode: int = 0,
-    gen_mask_parallel: bool = True,
-    sync: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:
-    heads, kv_heads = K.attention_heads(query, key, head_num, input_layout)
-    q = K.attention_layout_to_bnsd(query, input_layout, heads)
-    v = K.attention_layout_to_bnsd(value, input_layout, kv_heads)
-    b, n, sq, _ = q.shape
-    out_bnsd = query.new_empty((b, n, sq, v.size(-1)))
-    out = K.bnsd_to_attention_layout(out_bnsd, input_layout)
-    stats = query.new_empty((b, n, sq, 8), dtype=torch.float32)
-    return (
-        query.new_empty(out.shape),
-        stats,
-        stats.new_empty(stats.shape),
-        query.new_empty((0,)),
-        0,
-        0,
-        0,
-    )

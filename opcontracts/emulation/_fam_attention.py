@@ -1,10 +1,193 @@
 """Emulated ops of the attention family (issue 15): one ``EmulatedOp`` entry per op (see
-``_family``); their references live in ``opcontracts.reference._fam_attention``."""
+``_family``); their references live in ``opcontracts.reference._fam_attention``.
+
+Backward: ``npu_fusion_attention`` and ``npu_fusion_attention_v2`` have backward kernels of
+their own in torch_npu (op-plugin's ``derivatives.yaml``: ``npu_fusion_attention_grad`` gets the
+forward's inputs, its output and softmax statistics; MindSpeed's ``FusionAttentionV2Function``
+calls ``npu_fusion_attention_grad_v2`` the same way).  So their emulated backward calls those
+ops through ``torch.ops.npu``, looked up at call time, as the permute/unpermute backward does:
+a guard on the grad op sees the backward call (nested under the forward's record), the grad
+kernel's own dtype profile applies, the NaN sentinel and the shadow compare name the grad
+kernel, and ``torch.compile`` traces it through its fake.  MindSpeed's ring attention calls the
+grad kernels directly, so they need contracts and emulation of their own anyway.
+
+Fakes follow the meta kernels (torch_npu 2.14.0 ``_meta_registrations.py``): attention_out in
+query's dtype with value's head dim, softmax statistics fp32 (B, N, Sq, 8) or (T, N, 8) in TND,
+an empty softmax_in; the grad kernels return dq/dk/dv in query's dtype and shapes of
+query/key/value, dpse in pse's (empty without), dsink in sink's (empty without).
+"""
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..reference import _attention as R
 from ._family import EmulatedOp
 
 __all__ = ["OPS"]
 
-OPS: tuple[EmulatedOp, ...] = ()
+FLOATS = ("bf16", "fp16", "fp32")
+MASKS = ("bool", "uint8")
+FP32 = ("fp32",)
+_F32 = torch.float32
+
+
+def _npu() -> Any:
+    """``torch.ops.npu``, resolved at call time (never cached): wrappers on it are honoured."""
+    return torch.ops.npu
+
+
+# --------------------------------------------------------------------------- fakes
+def _fake_of(reference: Callable[..., Any], body: Callable[[dict[str, Any]], Any]
+             ) -> Callable[..., Any]:
+    """A fake with the reference's (the schema's) parameters: the registration maps every
+    argument by name to the dtype the kernel assumes (``_raw.fake_view``) before ``body`` sees
+    them, so a misread input gives the fake the output dtypes the kernel gives."""
+    sig = inspect.signature(reference)
+
+    def fake(*args: Any, **kwargs: Any) -> Any:
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return body(bound.arguments)
+
+    fake.__signature__ = sig  # type: ignore[attr-defined]
+    fake.__name__ = f"{reference.__name__}_fake"
+    return fake
+
+
+def _heads(query: torch.Tensor, key: torch.Tensor, head_num: int, layout: str) -> tuple[Any, Any]:
+    if layout in ("BSH", "SBH"):
+        d = query.size(2) // head_num
+        return head_num, key.size(2) // d
+    if layout == "TND":
+        return query.size(1), key.size(1)
+    i = 2 if layout == "BSND" else 1
+    return query.size(i), key.size(i)
+
+
+def _attention_out(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, head_num: int,
+                   layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(attention_out, softmax statistic) fakes of one forward call."""
+    layout = layout.upper()
+    n, nkv = _heads(query, key, head_num, layout)
+    if layout == "TND":
+        out = query.new_empty((query.size(0), n, value.size(2)))
+        stats = query.new_empty((query.size(0), n, 8), dtype=_F32)
+        return out, stats
+    if layout in ("BSH", "SBH"):
+        dv = value.size(2) // nkv
+        out = query.new_empty((query.size(0), query.size(1), n * dv))
+        b, s = (query.size(0), query.size(1)) if layout == "BSH" else (query.size(1), query.size(0))
+    else:
+        shape = list(query.shape)
+        shape[3] = value.size(3)
+        out = query.new_empty(shape)
+        b, s = (query.size(0), query.size(2)) if layout == "BNSD" else (query.size(0), query.size(1))
+    return out, query.new_empty((b, n, s, 8), dtype=_F32)
+
+
+def _fa(a: dict[str, Any]) -> tuple[Any, ...]:
+    out, stats = _attention_out(a["query"], a["key"], a["value"], a["head_num"],
+                                a["input_layout"])
+    return (out, stats, stats.new_empty(stats.shape), a["query"].new_empty((0,)), 0, 0, 0)
+
+
+def _grads(a: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+    query, pse, sink = a["query"], a["pse"], a["sink"]
+    dq = query.new_empty(query.shape)
+    dk = query.new_empty(a["key"].shape)
+    dv = query.new_empty(a["value"].shape)
+    dpse = pse.new_empty(pse.shape) if pse is not None else query.new_empty((0,))
+    dsink = sink.new_empty(sink.shape) if sink is not None else query.new_empty((0,), dtype=_F32)
+    return dq, dk, dv, dpse, dsink
+
+
+def _grads_v2(a: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+    dq, dk, dv, dpse, dsink = _grads(a)
+    query, qr, kr = a["query"], a["query_rope"], a["key_rope"]
+    dqr = query.new_empty(qr.shape) if qr is not None else query.new_empty((0,))
+    dkr = query.new_empty(kr.shape) if kr is not None else query.new_empty((0,))
+    return dq, dk, dv, dpse, dqr, dkr, dsink
+
+
+# --------------------------------------------------------------------------- backward
+def _dy(outputs: Any, grads: Any) -> torch.Tensor:
+    g = grads[0]
+    return g if g is not None else torch.zeros_like(outputs[0])
+
+
+def _fa_backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[str, Any]:
+    """torch_npu's autograd formula (op-plugin derivatives.yaml): the grad kernel on the
+    forward's inputs, attention_out (result0) and softmax statistics (result1-3)."""
+    i = inputs
+    dq, dk, dv, dpse, dsink = _npu().npu_fusion_attention_grad(
+        i["query"], i["key"], i["value"], _dy(outputs, grads), i["head_num"], i["input_layout"],
+        pse=i["pse"], padding_mask=i["padding_mask"], atten_mask=i["atten_mask"],
+        softmax_max=outputs[1], softmax_sum=outputs[2], softmax_in=outputs[3],
+        attention_in=outputs[0], scale_value=i["scale"], keep_prob=i["keep_prob"],
+        pre_tockens=i["pre_tockens"], next_tockens=i["next_tockens"],
+        inner_precise=i["inner_precise"], seed=outputs[4], offset=outputs[5],
+        numels=outputs[6], prefix=i["prefix"], actual_seq_qlen=i["actual_seq_qlen"],
+        actual_seq_kvlen=i["actual_seq_kvlen"], sparse_mode=i["sparse_mode"],
+        gen_mask_parallel=i["gen_mask_parallel"], sync=i["sync"],
+        softmax_layout=i["softmax_layout"], sink=i["sink"])
+    return {"query": dq, "key": dk, "value": dv,
+            "pse": dpse if i["pse"] is not None else None,
+            "sink": dsink if i["sink"] is not None else None}
+
+
+def _fa_v2_backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[str, Any]:
+    """MindSpeed's FusionAttentionV2Function.backward: the v2 grad kernel, same arguments."""
+    i = inputs
+    dq, dk, dv, dpse, dqr, dkr, dsink = _npu().npu_fusion_attention_grad_v2(
+        i["query"], i["key"], i["value"], _dy(outputs, grads), i["head_num"], i["input_layout"],
+        pse=i["pse"], padding_mask=i["padding_mask"], atten_mask=i["atten_mask"],
+        softmax_max=outputs[1], softmax_sum=outputs[2], softmax_in=outputs[3],
+        attention_in=outputs[0], query_rope=i["query_rope"], key_rope=i["key_rope"],
+        scale_value=i["scale"], keep_prob=i["keep_prob"], pre_tokens=i["pre_tokens"],
+        next_tokens=i["next_tokens"], inner_precise=i["inner_precise"], seed=outputs[4],
+        offset=outputs[5], numels=outputs[6], prefix=i["prefix"],
+        actual_seq_qlen=i["actual_seq_qlen"], actual_seq_kvlen=i["actual_seq_kvlen"],
+        sparse_mode=i["sparse_mode"], gen_mask_parallel=i["gen_mask_parallel"], sync=i["sync"],
+        pse_type=i["pse_type"], q_start_idx=i["q_start_idx"], kv_start_idx=i["kv_start_idx"],
+        softmax_layout=i["softmax_layout"], sink=i["sink"])
+    return {"query": dq, "key": dk, "value": dv,
+            "pse": dpse if i["pse"] is not None else None,
+            "query_rope": dqr if i["query_rope"] is not None else None,
+            "key_rope": dkr if i["key_rope"] is not None else None,
+            "sink": dsink if i["sink"] is not None else None}
+
+
+# --------------------------------------------------------------------------- the ops
+_DOCS = "torch_npu 2.14.0 _op_plugin_docs.py"
+# query/key/value/pse fp16/bf16/fp32, atten_mask bool/uint8 (every doc since 2.5.1); sink fp32
+# (the v2 doc: "数据类型仅支持float32"; the v1 doc's sink example passes float32)
+_FA_DTYPES = {"query": FLOATS, "key": FLOATS, "value": FLOATS, "pse": FLOATS,
+              "atten_mask": MASKS, "sink": FP32}
+# the grad kernels: the forward's inputs, dy and attention_in like query, the statistics fp32
+_FA_GRAD_DTYPES = {**_FA_DTYPES, "dy": FLOATS, "attention_in": FLOATS,
+                   "softmax_max": FP32, "softmax_sum": FP32}
+
+# v2: query_rope/key_rope bfloat16 only (the v2 doc)
+_FA2_DTYPES = {**_FA_DTYPES, "query_rope": ("bf16",), "key_rope": ("bf16",)}
+_FA2_GRAD_DTYPES = {**_FA_GRAD_DTYPES, "query_rope": ("bf16",), "key_rope": ("bf16",)}
+
+OPS: tuple[EmulatedOp, ...] = (
+    EmulatedOp("npu_fusion_attention", fake=_fake_of(R.npu_fusion_attention, _fa),
+               dtypes=_FA_DTYPES, backward=_fa_backward,
+               source=f"{_DOCS} (npu_fusion_attention)"),
+    EmulatedOp("npu_fusion_attention_grad", fake=_fake_of(R.npu_fusion_attention_grad, _grads),
+               dtypes=_FA_GRAD_DTYPES,
+               source=f"{_DOCS} (npu_fusion_attention: its backward kernel has no doc)"),
+    EmulatedOp("npu_fusion_attention_v2", fake=_fake_of(R.npu_fusion_attention_v2, _fa),
+               dtypes=_FA2_DTYPES, backward=_fa_v2_backward,
+               source=f"{_DOCS} (npu_fusion_attention_v2)"),
+    EmulatedOp("npu_fusion_attention_grad_v2",
+               fake=_fake_of(R.npu_fusion_attention_grad_v2, _grads_v2),
+               dtypes=_FA2_GRAD_DTYPES,
+               source=f"{_DOCS} (npu_fusion_attention_v2: its backward kernel has no doc)"),
+)

@@ -38,18 +38,16 @@ __all__ = ["NAMESPACE", "OPS", "OP_NAMES", "OpDef", "deregister", "register", "t
 NAMESPACE = "npu"
 
 # The ops of the first packs; their schemas are torch_npu 2.14.0's, read from the wheel digest
-# (``_family.digest_schema``), except where an entry below still shortens one (the arguments
-# after ``sync`` of npu_fusion_attention), until
+# (``_family.digest_schema``), except where an entry of ``_SHORTENED`` still shortens one, until
 # the reference takes every argument of the real schema.
 _FIRST_PACKS = (
     "npu_moe_token_permute", "npu_moe_token_permute_grad", "npu_moe_token_unpermute",
     "npu_moe_token_unpermute_grad", "npu_moe_token_permute_with_routing_map",
     "npu_moe_token_unpermute_with_routing_map", "npu_moe_init_routing",
     "npu_moe_finalize_routing", "npu_moe_gating_top_k_softmax", "npu_moe_compute_expert_tokens",
-    "npu_grouped_matmul", "npu_rms_norm", "npu_swiglu", "npu_rotary_mul", "npu_fusion_attention",
+    "npu_grouped_matmul", "npu_rms_norm", "npu_swiglu", "npu_rotary_mul",
 )
 _SHORTENED: dict[str, str] = {
-    "npu_fusion_attention": "npu_fusion_attention(Tensor query, Tensor key, Tensor value, int head_num, str input_layout, Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, float scale=1., float keep_prob=1., int pre_tockens=2147483647, int next_tockens=2147483647, int inner_precise=0, int[]? prefix=None, int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, int sparse_mode=0, bool gen_mask_parallel=True, bool sync=False) -> (Tensor, Tensor, Tensor, Tensor, int, int, int)",
 }
 SCHEMAS: dict[str, str] = {
     **{name: _SHORTENED.get(name) or digest_schema(name) for name in _FIRST_PACKS},

@@ -115,14 +115,6 @@ _COMMON: dict[str, dict[str, tuple[str, ...]]] = {
     "npu_swiglu": {"self": FLOATS},
     # torch_npu 2.13/2.14 docs: all inputs fp16/bf16/fp32.
     "npu_rotary_mul": {"self": FLOATS, "r1": FLOATS, "r2": FLOATS},
-    # torch_npu 2.13/2.14 docs: query/key/value/pse fp16/bf16/fp32; atten_mask bool or uint8.
-    "npu_fusion_attention": {
-        "query": FLOATS,
-        "key": FLOATS,
-        "value": FLOATS,
-        "pse": FLOATS,
-        "atten_mask": ("bool", "uint8"),
-    },
 }
 
 # The MoE permute/unpermute kernels per torch_npu 2.13/2.14 _op_plugin_docs.py and CANN >= 8.0.0

@@ -118,13 +118,6 @@ def rotary_mul(gen: torch.Generator) -> Example:
     return (_vals(gen, 1, 4, 2, H), _vals(gen, 1, 4, 1, H), _vals(gen, 1, 4, 1, H)), {}
 
 
-def fusion_attention(gen: torch.Generator) -> Example:
-    q, k, v = (_vals(gen, 1, 4, 16) / 4 for _ in range(3))
-    pse = _vals(gen, 1, 2, 4, 4)
-    mask = torch.ones(4, 4, dtype=torch.bool).triu(1)
-    return (q, k, v, 2, "BSH"), {"pse": pse, "atten_mask": mask, "scale": 0.25}
-
-
 def gmm(gen: torch.Generator) -> Example:
     return (_vals(gen, 6, H), _vals(gen, 3, H, 5)), {"group_list": [2, 5, 6]}
 

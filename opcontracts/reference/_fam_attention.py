@@ -1,10 +1,102 @@
-"""References of the attention family (issue 15): the forward of each op in plain PyTorch,
-and one ``Reference`` entry per op in ``REFERENCES`` (``_table`` appends them)."""
+"""References of the attention family (issue 15): the training kernels (``_attention``: fusion
+attention, its v2 and their grad kernels) and the serving kernels (``_attention_infer``), their
+example inputs, and one ``Reference`` entry per op in ``REFERENCES`` (``_table`` appends them).
+
+Examples follow ``_examples``' conventions: small, conforming for the shipped contracts and read
+correctly by every emulation profile, floating values multiples of 1/8 (exact in every float
+dtype), every optional tensor argument the kernel reads given (so the probe varies its dtype).
+"""
 
 from __future__ import annotations
 
-from . import Reference
+from typing import Any
+
+import torch
+
+from . import Reference, _attention
 
 __all__ = ["REFERENCES"]
 
-REFERENCES: tuple[Reference, ...] = ()
+Example = tuple[tuple[Any, ...], dict[str, Any]]
+BF16 = torch.bfloat16
+
+_DOCS = "torch_npu 2.14.0 _op_plugin_docs.py"
+_META = "_meta_registrations.py"
+
+
+def _vals(gen: torch.Generator, *shape: int, div: int = 8) -> torch.Tensor:
+    return (torch.randint(-16, 17, shape, generator=gen) / div).to(BF16)
+
+
+def _causal(sq: int, skv: int) -> torch.Tensor:
+    return torch.ones(sq, skv, dtype=torch.bool).triu(1)
+
+
+# --------------------------------------------------------------------------- training
+def _tnd(gen: torch.Generator, heads: int = 2, dim: int = 8) -> tuple[torch.Tensor, ...]:
+    """Two packed sequences of 3 and 4 tokens: query, key, value (7, heads, dim)."""
+    return tuple(_vals(gen, 7, heads, dim, div=32) for _ in range(3))
+
+
+_SEQS = {"actual_seq_qlen": [3, 7], "actual_seq_kvlen": [3, 7]}
+
+
+def fusion_attention(gen: torch.Generator) -> Example:
+    """Varlen (TND), two sequences, with the SS mask tile of the longest (sparse_mode 0), pse
+    (its rows per sequence) and a sink per head."""
+    q, k, v = _tnd(gen)
+    pse = _vals(gen, 1, 2, 4, 4)
+    sink = torch.tensor([0.5, -0.25])
+    return (q, k, v, 2, "TND"), {"pse": pse, "atten_mask": _causal(4, 4), "scale": 0.25,
+                                 **_SEQS, "sparse_mode": 0, "sink": sink}
+
+
+def fusion_attention_v2(gen: torch.Generator) -> Example:
+    """Varlen (TND) with query_rope/key_rope (bf16; the doc: with the mask, no pse) and a sink."""
+    q, k, v = _tnd(gen)
+    q_rope, k_rope = (_vals(gen, 7, 2, 8, div=32) for _ in range(2))
+    sink = torch.tensor([0.5, -0.25])
+    return (q, k, v, 2, "TND"), {"atten_mask": _causal(4, 4), "query_rope": q_rope,
+                                 "key_rope": k_rope, "scale": 0.25, **_SEQS, "sparse_mode": 0,
+                                 "pse_type": 1, "sink": sink}
+
+
+def _grad_of(example: Example, forward: Any) -> Example:
+    """The forward example's inputs, its output and statistics, and an incoming gradient."""
+    (q, k, v, n, layout), kw = example
+    gen = torch.Generator().manual_seed(7)
+    out, smax, ssum, sin, *_ = forward(q, k, v, n, layout, **kw)
+    dy = _vals(gen, *out.shape)
+    kw = dict(kw)
+    kw["scale_value"] = kw.pop("scale")
+    return (q, k, v, dy, n, layout), {**kw, "softmax_max": smax, "softmax_sum": ssum,
+                                      "softmax_in": sin, "attention_in": out}
+
+
+def fusion_attention_grad(gen: torch.Generator) -> Example:
+    return _grad_of(fusion_attention(gen), _attention.npu_fusion_attention)
+
+
+def fusion_attention_grad_v2(gen: torch.Generator) -> Example:
+    return _grad_of(fusion_attention_v2(gen), _attention.npu_fusion_attention_v2)
+
+
+_FA = f"{_DOCS} (npu_fusion_attention), {_META}"
+_FA2 = f"{_DOCS} (npu_fusion_attention_v2), {_META}"
+
+REFERENCES: tuple[Reference, ...] = (
+    Reference("npu_fusion_attention", _attention.npu_fusion_attention,
+              backward=_attention.fusion_attention_backward, example=fusion_attention,
+              source=f"{_FA} (softmax attention, all layouts incl. TND, sparse modes, sink; "
+                     "dropout not covered)"),
+    Reference("npu_fusion_attention_grad", _attention.npu_fusion_attention_grad,
+              example=fusion_attention_grad, grad_of="npu_fusion_attention",
+              source=f"{_FA} (derivatives of npu_fusion_attention; op-plugin derivatives.yaml "
+                     "passes it the forward's outputs)"),
+    Reference("npu_fusion_attention_v2", _attention.npu_fusion_attention_v2,
+              backward=_attention.fusion_attention_v2_backward, example=fusion_attention_v2,
+              source=f"{_FA2} (pse_type 0-3, query_rope/key_rope; dropout not covered)"),
+    Reference("npu_fusion_attention_grad_v2", _attention.npu_fusion_attention_grad_v2,
+              example=fusion_attention_grad_v2, grad_of="npu_fusion_attention_v2",
+              source=f"{_FA2} (derivatives of npu_fusion_attention_v2)"),
+)

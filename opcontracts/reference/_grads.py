@@ -1,9 +1,11 @@
 """Backward formulas of the differentiable ops whose backward has no kernel of its own.
 
 The facts table names no backward kernels for the routing-map permute/unpermute, grouped
-matmul, rms_norm, swiglu, rotary_mul and fusion_attention, so their backward is a composite of
-plain PyTorch on the saved inputs, in fp32: these formulas.  The emulation's autograd kernels
-run them (with static shapes, so ``torch.compile`` traces them); the shadow compare judges a
+matmul, rms_norm, swiglu and rotary_mul, so their backward is a composite of plain PyTorch on
+the saved inputs, in fp32: these formulas.  (Fusion attention has a backward kernel,
+``npu_fusion_attention_grad``: its formula lives with its reference in ``_attention`` and is
+re-exported here.)  The emulation's autograd kernels run them (with static shapes, so
+``torch.compile`` traces them); the shadow compare judges a
 real kernel's gradients against autograd through the forward reference instead, which is an
 independent derivation of the same math (the test suite checks that the two agree).
 
@@ -18,13 +20,7 @@ from typing import Any
 
 import torch
 
-from ._attention import (
-    attention_heads,
-    attention_layout_to_bnsd,
-    attention_scores,
-    bnsd_to_attention_layout,
-    expand_kv,
-)
+from ._attention import fusion_attention_backward
 from ._matmul import grouped_weights, is_grouped
 from ._moe import routing_unpermute_weights, slot_of_destination
 from ._norm import rms_norm_dims, rotate_transposed, rotated
@@ -304,35 +300,3 @@ def rotary_mul_backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dic
         "r1": _reduce_to(g * xf, r1.shape).to(r1.dtype),
         "r2": _reduce_to(g * rotated(xf, mode), r2.shape).to(r2.dtype),
     }
-
-
-def fusion_attention_backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[str, Any]:
-    """Softmax attention backward, recomputing the probabilities; stats outputs get no grad."""
-    query, key, value = inputs["query"], inputs["key"], inputs["value"]
-    layout, pse = inputs["input_layout"], inputs["pse"]
-    heads, kv_heads = attention_heads(query, key, inputs["head_num"], layout)
-    q = attention_layout_to_bnsd(query, layout, heads).to(_F32)
-    k_small = attention_layout_to_bnsd(key, layout, kv_heads).to(_F32)
-    v_small = attention_layout_to_bnsd(value, layout, kv_heads).to(_F32)
-    k, v = expand_kv(k_small, heads), expand_kv(v_small, heads)
-    scale = inputs["scale"]
-    scores = attention_scores(q, k, scale, pse, inputs["atten_mask"], inputs["sparse_mode"])
-    p = torch.softmax(scores, dim=-1)
-    grad_out = attention_layout_to_bnsd(grads[0], layout, heads).to(_F32)
-    grad_v = torch.matmul(p.transpose(-1, -2), grad_out)
-    grad_p = torch.matmul(grad_out, v.transpose(-1, -2))
-    grad_s = p * (grad_p - (grad_p * p).sum(dim=-1, keepdim=True))
-    grad_q = torch.matmul(grad_s, k) * scale
-    grad_k = torch.matmul(grad_s.transpose(-1, -2), q) * scale
-    if kv_heads != heads:
-        group = heads // kv_heads
-        grad_k = grad_k.unflatten(1, (kv_heads, group)).sum(2)
-        grad_v = grad_v.unflatten(1, (kv_heads, group)).sum(2)
-    result: dict[str, Any] = {
-        "query": bnsd_to_attention_layout(grad_q, layout).to(query.dtype),
-        "key": bnsd_to_attention_layout(grad_k, layout).to(key.dtype),
-        "value": bnsd_to_attention_layout(grad_v, layout).to(value.dtype),
-    }
-    if pse is not None:
-        result["pse"] = _reduce_to(grad_s, pse.shape).to(pse.dtype)
-    return result

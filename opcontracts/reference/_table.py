@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from . import (
     Reference,
-    _attention,
     _examples,
     _fam_attention,
     _fam_gemm_comm,
@@ -53,7 +52,7 @@ SHIPPED: tuple[Reference, ...] = (
     Reference("npu_moe_compute_expert_tokens", _moe.npu_moe_compute_expert_tokens,
               example=_examples.expert_tokens,
               source=f"{_DOCS}; CANN aclnnMoeComputeExpertTokens"),
-    # grouped matmul, norms, activations, attention
+    # grouped matmul, norms, activations (fusion attention: _fam_attention)
     Reference("npu_grouped_matmul", _matmul.npu_grouped_matmul,
               backward=_grads.grouped_matmul_backward, example=_examples.grouped_matmul,
               source=f"{_DOCS}; CANN aclnnGroupedMatmulV4 (non-quantized)"),
@@ -63,9 +62,6 @@ SHIPPED: tuple[Reference, ...] = (
               example=_examples.swiglu, source=_DOCS),
     Reference("npu_rotary_mul", _norm.npu_rotary_mul, backward=_grads.rotary_mul_backward,
               example=_examples.rotary_mul, source=_DOCS),
-    Reference("npu_fusion_attention", _attention.npu_fusion_attention,
-              backward=_grads.fusion_attention_backward, example=_examples.fusion_attention,
-              source=f"{_DOCS} (softmax attention; dropout and token windows not covered)"),
     # MindSpeed ops (contract op names mindspeed.<fn>)
     Reference("mindspeed.npu_moe_token_unpermute", _mindspeed.npu_moe_token_unpermute,
               example=_examples.unpermute, source=f"{_MS}npu_moe_token_unpermute.md"),
