@@ -170,7 +170,9 @@ def npu_moe_gating_top_k(
     idx = _sort_desc(choose, k)
     y = norm.gather(1, idx)
     y = y / (y.sum(dim=-1, keepdim=True) + eps) * routed_scaling_factor
-    return y.to(x.dtype), idx.to(_I32), norm.to(_F32)
+    # norm_out is a buffer of its own (y is computed from it; sharing the tensor would tie
+    # the outputs' autograd nodes together)
+    return y.to(x.dtype), idx.to(_I32), norm.to(_F32, copy=True)
 
 
 # --------------------------------------------------------------------------- init routing v2
