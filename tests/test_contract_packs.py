@@ -412,6 +412,8 @@ EXTRAS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
         "q_start_idx": [0], "kv_start_idx": [0]},
     "npu_fusion_attention_grad_v2": lambda b: {
         "pse": torch.zeros(1, 2, 4, 4, dtype=b["query"].dtype)},
+    "mindspeed.npu_fusion_attention": lambda b: {
+        "prefix": [0, 0], "q_start_idx": [0], "kv_start_idx": [0]},
     "npu_moe_gating_top_k_softmax": lambda b: {"finished": torch.zeros(N, dtype=torch.bool)},
     "npu_moe_finalize_routing": lambda b: {"skip2": torch.zeros_like(b["skip1"])},
     # moe serving: the arguments their examples leave out (offset: unused in the supported

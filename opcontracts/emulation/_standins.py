@@ -95,6 +95,34 @@ def npu_rotary_position_embedding(x, cos, sin, mode=0):  # type: ignore[no-untyp
     return _npu().npu_rotary_mul(x, cos, sin, "half" if mode == 0 else "interleave")
 
 
+def npu_fusion_attention(query, key, value, head_num, input_layout, *, pse=None, padding_mask=None, atten_mask=None, scale=1., keep_prob=1., pre_tokens=2147483647, next_tokens=2147483647, inner_precise=0, prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True, sync=False, pse_type=1, q_start_idx=None, kv_start_idx=None):  # type: ignore[no-untyped-def]
+    """MindSpeed's fusion attention v2 (``mindspeed.ops.fusion_attention_v2``: a JIT-built op over
+    the CANN v2 flash-attention kernels; emulated by ``torch.ops.npu.npu_fusion_attention_v2``,
+    whose autograd calls the v2 grad kernel, as MindSpeed's FusionAttentionV2Function does)."""
+    return _npu().npu_fusion_attention_v2(
+        query, key, value, head_num, input_layout, pse=pse, padding_mask=padding_mask,
+        atten_mask=atten_mask, scale=scale, keep_prob=keep_prob, pre_tokens=pre_tokens,
+        next_tokens=next_tokens, inner_precise=inner_precise, prefix=prefix,
+        actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen,
+        sparse_mode=sparse_mode, gen_mask_parallel=gen_mask_parallel, sync=sync,
+        pse_type=pse_type, q_start_idx=q_start_idx, kv_start_idx=kv_start_idx)
+
+
+def npu_fusion_attention_grad(query, key, value, grad_outputs, head_num, input_layout, *, pse=None, padding_mask=None, atten_mask=None, softmax_max=None, softmax_sum=None, softmax_in=None, attention_in=None, scale=1., keep_prob=1., pre_tokens=2147483647, next_tokens=2147483647, inner_precise=0, seed=1234, offset=0, numels=0, prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True, sync=False, pse_type=1, q_start_idx=None, kv_start_idx=None):  # type: ignore[no-untyped-def]
+    """MindSpeed's fusion attention v2 backward: (dq, dk, dv, dpse), dpse None without pse (the
+    v2 grad kernel, ``torch.ops.npu.npu_fusion_attention_grad_v2``)."""
+    dq, dk, dv, dpse, *_ = _npu().npu_fusion_attention_grad_v2(
+        query, key, value, grad_outputs, head_num, input_layout, pse=pse,
+        padding_mask=padding_mask, atten_mask=atten_mask, softmax_max=softmax_max,
+        softmax_sum=softmax_sum, softmax_in=softmax_in, attention_in=attention_in,
+        scale_value=scale, keep_prob=keep_prob, pre_tokens=pre_tokens, next_tokens=next_tokens,
+        inner_precise=inner_precise, seed=seed, offset=offset, numels=numels, prefix=prefix,
+        actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen,
+        sparse_mode=sparse_mode, gen_mask_parallel=gen_mask_parallel, sync=sync,
+        pse_type=pse_type, q_start_idx=q_start_idx, kv_start_idx=kv_start_idx)
+    return dq, dk, dv, (dpse if pse is not None else None)
+
+
 def npu_ring_attention_update(prev_attn_out, prev_softmax_max, prev_softmax_sum, cur_attn_out, cur_softmax_max, cur_softmax_sum, actual_seq_qlen=None, layout="SBH"):  # type: ignore[no-untyped-def]
     """Merge two partial attention results by their softmax statistics (plain PyTorch: MindSpeed's
     reference, ``opcontracts.reference``).
@@ -157,6 +185,9 @@ class _Builders:
     def rope(self, module: types.ModuleType) -> None:
         _export(module, [npu_rotary_position_embedding])
 
+    def fusion_attention(self, module: types.ModuleType) -> None:
+        _export(module, [npu_fusion_attention, npu_fusion_attention_grad])
+
     def ring(self, module: types.ModuleType) -> None:
         _export(module, [npu_ring_attention_update])
 
@@ -169,6 +200,7 @@ class _Builders:
             "mindspeed.ops.npu_moe_token_permute": self.permute,
             "mindspeed.ops.gmm": self.gmm,
             "mindspeed.ops.npu_rotary_position_embedding": self.rope,
+            "mindspeed.ops.fusion_attention_v2": self.fusion_attention,
             "mindspeed.ops.npu_ring_attention_update": self.ring,
         }
 

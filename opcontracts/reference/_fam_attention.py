@@ -81,6 +81,69 @@ def fusion_attention_grad_v2(gen: torch.Generator) -> Example:
     return _grad_of(fusion_attention_v2(gen), _attention.npu_fusion_attention_v2)
 
 
+# --------------------------------------------------------------------------- MindSpeed
+_BIG = 2147483647
+
+
+def mindspeed_fusion_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, head_num: int,
+    input_layout: str, *, pse: torch.Tensor | None = None,
+    padding_mask: torch.Tensor | None = None, atten_mask: torch.Tensor | None = None,
+    scale: float = 1.0, keep_prob: float = 1.0, pre_tokens: int = _BIG,
+    next_tokens: int = _BIG, inner_precise: int = 0, prefix: Any = None,
+    actual_seq_qlen: Any = None, actual_seq_kvlen: Any = None, sparse_mode: int = 0,
+    gen_mask_parallel: bool = True, sync: bool = False, pse_type: int = 1,
+    q_start_idx: Any = None, kv_start_idx: Any = None,
+) -> tuple[Any, ...]:
+    """MindSpeed's ``mindspeed.ops.fusion_attention_v2.npu_fusion_attention``: the v2 kernel."""
+    return _attention.npu_fusion_attention_v2(
+        query, key, value, head_num, input_layout, pse=pse, padding_mask=padding_mask,
+        atten_mask=atten_mask, scale=scale, keep_prob=keep_prob, pre_tokens=pre_tokens,
+        next_tokens=next_tokens, inner_precise=inner_precise, prefix=prefix,
+        actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen,
+        sparse_mode=sparse_mode, pse_type=pse_type, q_start_idx=q_start_idx,
+        kv_start_idx=kv_start_idx)
+
+
+def mindspeed_fusion_attention_grad(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, grad_outputs: torch.Tensor,
+    head_num: int, input_layout: str, *, pse: torch.Tensor | None = None,
+    padding_mask: torch.Tensor | None = None, atten_mask: torch.Tensor | None = None,
+    softmax_max: torch.Tensor | None = None, softmax_sum: torch.Tensor | None = None,
+    softmax_in: torch.Tensor | None = None, attention_in: torch.Tensor | None = None,
+    scale: float = 1.0, keep_prob: float = 1.0, pre_tokens: int = _BIG,
+    next_tokens: int = _BIG, inner_precise: int = 0, seed: int = 1234, offset: int = 0,
+    numels: int = 0, prefix: Any = None, actual_seq_qlen: Any = None,
+    actual_seq_kvlen: Any = None, sparse_mode: int = 0, gen_mask_parallel: bool = True,
+    sync: bool = False, pse_type: int = 1, q_start_idx: Any = None, kv_start_idx: Any = None,
+) -> tuple[Any, ...]:
+    """MindSpeed's ``npu_fusion_attention_grad``: (dq, dk, dv, dpse), dpse None without pse."""
+    dq, dk, dv, dpse, *_ = _attention.npu_fusion_attention_grad_v2(
+        query, key, value, grad_outputs, head_num, input_layout, pse=pse,
+        atten_mask=atten_mask, softmax_max=softmax_max, softmax_sum=softmax_sum,
+        attention_in=attention_in, scale_value=scale, pre_tokens=pre_tokens,
+        next_tokens=next_tokens, prefix=prefix, actual_seq_qlen=actual_seq_qlen,
+        actual_seq_kvlen=actual_seq_kvlen, sparse_mode=sparse_mode, pse_type=pse_type,
+        q_start_idx=q_start_idx, kv_start_idx=kv_start_idx)
+    return dq, dk, dv, (dpse if pse is not None else None)
+
+
+def ms_fusion_attention(gen: torch.Generator) -> Example:
+    """MindSpeed's: varlen (TND) with pse and the SS mask tile, bf16 (no sink, no float32)."""
+    (q, k, v, n, layout), kw = fusion_attention(gen)
+    kw.pop("sink")
+    return (q, k, v, n, layout), {**kw, "pse_type": 1}
+
+
+def ms_fusion_attention_grad(gen: torch.Generator) -> Example:
+    (q, k, v, dy, n, layout), kw = _grad_of(ms_fusion_attention(gen),
+                                            mindspeed_fusion_attention)
+    kw["scale"] = kw.pop("scale_value")
+    return (q, k, v, dy, n, layout), kw
+
+
+_MS = "MindSpeed master, docs/zh/ops/fusion_attention.md"
+
 _FA = f"{_DOCS} (npu_fusion_attention), {_META}"
 _FA2 = f"{_DOCS} (npu_fusion_attention_v2), {_META}"
 
@@ -99,4 +162,10 @@ REFERENCES: tuple[Reference, ...] = (
     Reference("npu_fusion_attention_grad_v2", _attention.npu_fusion_attention_grad_v2,
               example=fusion_attention_grad_v2, grad_of="npu_fusion_attention_v2",
               source=f"{_FA2} (derivatives of npu_fusion_attention_v2)"),
+    Reference("mindspeed.npu_fusion_attention", mindspeed_fusion_attention,
+              example=ms_fusion_attention,
+              source=f"{_MS} (the CANN v2 kernels: torch_npu's npu_fusion_attention_v2 reference)"),
+    Reference("mindspeed.npu_fusion_attention_grad", mindspeed_fusion_attention_grad,
+              example=ms_fusion_attention_grad, grad_of="mindspeed.npu_fusion_attention",
+              source=f"{_MS} (反向接口; npu_fusion_attention_grad_v2's reference)"),
 )
