@@ -2,12 +2,13 @@
 
 Two kinds, on purpose:
 
-* ``npu_moe_token_permute`` and ``npu_moe_token_unpermute`` have their own backward *kernels*
-  in torch_npu (``*_grad`` ops with their own dtype support). Their backward calls those ops
+* ``npu_moe_token_permute``, ``npu_moe_token_unpermute`` and ``npu_swiglu`` have their own
+  backward *kernels* in torch_npu (``*_grad`` ops, ``npu_swiglu_backward``, with their own dtype
+  support). Their backward calls those ops
   through ``torch.ops.npu.<name>``, looked up at call time, so a wrapper installed on that
   attribute sees backward calls, and the grad kernel's dtype profile applies (the incident).
 * The other differentiable ops (routing-map permute/unpermute, grouped matmul, rms_norm,
-  swiglu, rotary_mul, fusion_attention) run the composite formula of their reference
+  rotary_mul, fusion_attention) run the composite formula of their reference
   (``opcontracts.reference``: ``Reference.backward``) on the saved inputs. The facts table
   names no backward kernels for them, so no profile applies to their backward.
 
@@ -59,6 +60,12 @@ def unpermute_backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict
     return {"permuted_tokens": grad_permuted, "probs": grad_probs if probs is not None else None}
 
 
+def swiglu_backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[str, Any]:
+    """torch_npu's derivative of ``npu_swiglu`` (op-plugin ``derivatives.yaml``: ``self:
+    npu_swiglu_backward(grad, self, dim)``): the backward kernel, with its own dtype profile."""
+    return {"self": _ops().npu_swiglu_backward(grads, inputs["self"], inputs["dim"])}
+
+
 def _backwards() -> dict[str, Any]:
     table: dict[str, Any] = {
         "npu_moe_token_permute": permute_backward,
@@ -68,6 +75,7 @@ def _backwards() -> dict[str, Any]:
         ref = reference.get(name)
         if ref is not None and ref.backward is not None and not name.startswith("mindspeed."):
             table[name] = ref.backward
+    table["npu_swiglu"] = swiglu_backward  # through its backward kernel, not the formula
     return table
 
 

@@ -19,8 +19,9 @@ name.  The schema is the real one, from the wheel digest (torch_npu 2.14.0,
 ``npu_native_functions_by_codegen.yaml``), unless ``schema=`` says otherwise; ``dtypes`` feeds
 every profile (``narrow``, ``incident``, ``wide``), so a wrongly typed argument is misread as
 the first dtype listed, as a raw kernel would.  ``backward`` is a formula ``(inputs, outputs,
-grads) -> {arg: grad}``, ``AUTOGRAD`` (autograd through the reference's forward) or None (the
-op is not differentiable in the emulation).
+grads) -> {arg: grad}``, ``AUTOGRAD`` (autograd through the reference's forward),
+``NO_DERIVATIVE`` (torch_npu has none: a backward through the op raises, as torch_npu's
+not-implemented fallback does) or None (no autograd kernel: PyTorch's fallback).
 
 Nothing here imports the enforcer: the emulation stays below everything that checks calls.
 """
@@ -37,12 +38,17 @@ import torch
 
 from .. import reference
 
-__all__ = ["AUTOGRAD", "EmulatedOp", "FAMILIES", "all_ops", "digest_schema", "backward_of"]
+__all__ = ["AUTOGRAD", "NO_DERIVATIVE", "EmulatedOp", "FAMILIES", "all_ops", "digest_schema",
+           "backward_of"]
 
 BackwardFn = Callable[[dict[str, Any], Any, Any], dict[str, Any]]
 
 AUTOGRAD = "autograd"
 """``EmulatedOp.backward``: the gradients are autograd's, through the reference's forward."""
+
+NO_DERIVATIVE = "no derivative"
+"""``EmulatedOp.backward``: torch_npu registers no derivative; backward through the op raises
+``RuntimeError: derivative for 'npu::<op>' is not implemented``, as on the NPU."""
 
 FAMILIES = ("_fam_attention", "_fam_norm_quant", "_fam_gemm_comm", "_fam_moe_serving")
 """The family modules of this package, in registration order."""
@@ -109,10 +115,20 @@ def _through_reference(name: str) -> BackwardFn:
     return backward
 
 
+def _not_implemented(name: str) -> BackwardFn:
+    def backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[str, Any]:
+        raise RuntimeError(f"derivative for 'npu::{name}' is not implemented (torch_npu has no "
+                           "backward for it; the opcontracts emulation raises as it does)")
+
+    return backward
+
+
 def backward_of(op: EmulatedOp) -> BackwardFn | None:
     """The formula the emulation's autograd kernel runs for ``op`` (None: no autograd)."""
     if op.backward == AUTOGRAD:
         return _through_reference(op.name)
+    if op.backward == NO_DERIVATIVE:
+        return _not_implemented(op.name)
     if callable(op.backward):
         return op.backward
     return None

@@ -30,7 +30,7 @@ __all__ = ["MARKER", "MODULE_NAMES", "StandinFinder", "is_standin"]
 
 MARKER = "__opcontracts_emulation__"
 
-_PACKAGES = ("torch_npu", "mindspeed", "mindspeed.ops")
+_PACKAGES = ("torch_npu", "mindspeed", "mindspeed.ops", "mindspeed.core", "mindspeed.core.fusions")
 
 
 def is_standin(module: object) -> bool:
@@ -134,6 +134,32 @@ def npu_ring_attention_update(prev_attn_out, prev_softmax_max, prev_softmax_sum,
                            cur_softmax_max, cur_softmax_sum, actual_seq_qlen, layout)
 
 
+def fused_swiglu(x):  # type: ignore[no-untyped-def]
+    """MindSpeed's ``mindspeed.core.fusions.fused_bias_swiglu.fused_swiglu``: ``npu_swiglu(x, dim=-1)``."""
+    return _npu().npu_swiglu(x, dim=-1)
+
+
+def _swiglu_classes(module: types.ModuleType) -> list[type]:
+    """MindSpeed's ``SwiGLUFunction`` / ``BiasSwiGLUFunction`` (plain classes with a static
+    ``apply``): they call the module's ``fused_swiglu`` by name at call time, as MindSpeed's
+    do, so a guard set on that attribute sees their calls."""
+
+    class SwiGLUFunction:
+        @staticmethod
+        def apply(x, *args):  # type: ignore[no-untyped-def]
+            return module.fused_swiglu(x)
+
+    class BiasSwiGLUFunction:
+        @staticmethod
+        def apply(x, bias, *args):  # type: ignore[no-untyped-def]
+            return module.fused_swiglu(x + bias)
+
+    for cls in (SwiGLUFunction, BiasSwiGLUFunction):
+        cls.__module__ = module.__name__
+        cls.__qualname__ = cls.__name__
+    return [SwiGLUFunction, BiasSwiGLUFunction]
+
+
 # --------------------------------------------------------------------------- module builders
 
 
@@ -191,6 +217,15 @@ class _Builders:
     def ring(self, module: types.ModuleType) -> None:
         _export(module, [npu_ring_attention_update])
 
+    def mindspeed_core(self, module: types.ModuleType) -> None:
+        module.__doc__ = "opcontracts emulation of mindspeed.core (the fusions MindSpeed wraps)."
+
+    def fused_bias_swiglu(self, module: types.ModuleType) -> None:
+        _export(module, [fused_swiglu])
+        for cls in _swiglu_classes(module):
+            setattr(module, cls.__name__, cls)
+            module.__all__.append(cls.__name__)  # type: ignore[attr-defined]
+
     def table(self) -> dict[str, Callable[[types.ModuleType], None]]:
         return {
             "torch_npu": self.torch_npu,
@@ -202,6 +237,9 @@ class _Builders:
             "mindspeed.ops.npu_rotary_position_embedding": self.rope,
             "mindspeed.ops.fusion_attention_v2": self.fusion_attention,
             "mindspeed.ops.npu_ring_attention_update": self.ring,
+            "mindspeed.core": self.mindspeed_core,
+            "mindspeed.core.fusions": self.mindspeed_core,
+            "mindspeed.core.fusions.fused_bias_swiglu": self.fused_bias_swiglu,
         }
 
 
