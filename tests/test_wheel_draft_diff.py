@@ -70,7 +70,8 @@ def test_cli_draft_skips_contracted_ops(tmp_path: Path) -> None:
     assert rc == 0
     written = sorted(p.name for p in tmp_path.glob("*.toml"))
     assert "npu_moe_token_unpermute.toml" not in written  # a shipped contract exists
-    assert "npu_moe_gating_top_k.toml" in written
+    assert "npu_moe_gating_top_k.toml" not in written  # shipped since issue 15
+    assert "npu_moe_update_expert.toml" in written  # documented, no contract
     assert "op(s) drafted:" in out and "completely" in out and "not at all" in out
     load_contracts(tmp_path)
 
