@@ -439,6 +439,13 @@ EXTRAS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
         "antiquant_scale": [torch.ones(5, dtype=BF16) for _ in range(3)],
         "antiquant_offset": [torch.zeros(5, dtype=BF16) for _ in range(3)],
         "per_token_scale": [torch.ones(6)]},
+    # grouped GEMM family: the a8w4-only bias / offset of finalize routing, the quantized
+    # scales and the bias of all_gather_base_mm
+    "npu_grouped_matmul_finalize_routing": lambda b: {
+        "bias": torch.zeros(2, 256), "offset": torch.zeros(2, 256)},
+    "npu_all_gather_base_mm": lambda b: {
+        "bias": torch.zeros(4, dtype=b["self"].dtype), "x1_scale": torch.ones(2, 1),
+        "x2_scale": torch.ones(1, 4)},
 }
 
 

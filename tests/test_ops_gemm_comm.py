@@ -250,3 +250,303 @@ def test_grouped_matmul_reference_antiquant_int4_and_activations() -> None:
                                        scale=[torch.full((5,), 0.5)], output_dtype=1,
                                        group_type=-1)
     assert yq.dtype == I8
+
+
+# =========================================================================== finalize routing
+def _finalize_args(**change: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    from opcontracts.reference import _fam_gemm_comm as fam
+
+    args, kwargs = fam.finalize_routing_example(_g())
+    kwargs.update(change)
+    return args, kwargs
+
+
+def test_finalize_routing_conforming_call_and_its_math(npu: Any) -> None:
+    (x, w, gl), kw = _finalize_args()
+    with opcontracts.mode("strict"):
+        y = npu.npu_grouped_matmul_finalize_routing(x, w, gl, **kw)
+    assert y.shape == (4, 256) and y.dtype == FP32
+    # per row: (x @ w[expert]) * scale[expert] * pertoken_scale * logit, scatter-added at
+    # row_index; the shared expert's output added at rows [offset, offset + rows)
+    expert = torch.repeat_interleave(torch.arange(2), gl)
+    mm = torch.stack([(x[i].float() @ w[expert[i]].float()) * kw["scale"][expert[i]]
+                      for i in range(x.size(0))])
+    mm = mm * (kw["pertoken_scale"] * kw["logit"]).unsqueeze(1)
+    want = torch.zeros(4, 256)
+    want[1:3] += kw["shared_input"].float()
+    want.index_add_(0, kw["row_index"], mm)
+    torch.testing.assert_close(y, want)
+
+
+@pytest.mark.parametrize(("change", "arg", "rule"), [
+    ({"x": _ints(8, 24)}, "x", "shape"),  # k a multiple of 16
+    ({"w": _ints(2, 32)}, "w", "rank"),
+    ({"group_list": torch.tensor([3, 5], dtype=I32)}, "group_list", "dtype"),
+    ({"scale": torch.ones(2, 128)}, "scale", "shape"),  # (e, n) with w's n
+    ({"pertoken_scale": torch.ones(7)}, "pertoken_scale", "shape"),
+    ({"shared_input": torch.zeros(2, 256, dtype=FP16)}, "shared_input", "dtype"),
+    ({"logit": torch.ones(16)[::2]}, "logit", "contiguous"),
+    ({"row_index": torch.zeros(8, dtype=I32).to(torch.int16)}, "row_index", "dtype"),
+    ({"group_list_type": 2}, "group_list_type", "allowed"),
+    ({"output_bs": -1}, "output_bs", "bound"),
+])
+def test_finalize_routing_each_rule_names_its_argument(npu: Any, change: dict[str, Any],
+                                                       arg: str, rule: str) -> None:
+    (x, w, gl), kw = _finalize_args()
+    pos = {"x": x, "w": w, "group_list": gl}
+    pos.update({k: v for k, v in change.items() if k in pos})
+    kw.update({k: v for k, v in change.items() if k not in pos})
+    exc = _violation(npu.npu_grouped_matmul_finalize_routing, pos["x"], pos["w"],
+                     pos["group_list"], **kw)
+    assert (exc.arg, exc.rule) == (arg, rule), str(exc)
+
+
+def test_finalize_routing_2_5_1_takes_fp16_shared_input(npu: Any) -> None:
+    """The 2.5.1 doc lists bf16 and fp16 for shared_input; every later one bf16 only."""
+    (x, w, gl), kw = _finalize_args(shared_input=torch.zeros(2, 256, dtype=FP16))
+    opcontracts.set_versions(torch_npu="2.5.1")
+    try:
+        with opcontracts.mode("strict"):
+            npu.npu_grouped_matmul_finalize_routing(x, w, gl, **kw)
+    finally:
+        opcontracts.set_versions(torch_npu=None)
+
+
+def test_finalize_routing_negative_row_index_needs_value_checks(npu: Any) -> None:
+    (x, w, gl), kw = _finalize_args()
+    kw["row_index"] = kw["row_index"].clone()
+    kw["row_index"][0] = -1
+    opcontracts.set_value_checks(True)
+    exc = _violation(npu.npu_grouped_matmul_finalize_routing, x, w, gl, **kw)
+    assert (exc.arg, exc.rule) == ("row_index", "value")
+
+
+def test_finalize_routing_compiles_through_the_fake(npu: Any) -> None:
+    (x, w, gl), kw = _finalize_args()
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.npu.npu_grouped_matmul_finalize_routing(x, w, gl, **kw) * 2
+
+    torch._dynamo.reset()
+    with opcontracts.mode("strict"):
+        out = torch.compile(f, backend="eager")(x)
+    torch.testing.assert_close(out, f(x))
+    torch._dynamo.reset()
+
+
+# =========================================================================== all-to-all GEMMs
+E_LOCAL, WORLD = 2, 8
+COUNTS = [1, 2, 0, 1, 1, 0, 2, 1] + [0] * 8  # counts[r * e + j], e = 2 local experts
+
+
+def _a2a(dtype: torch.dtype = BF16, h: int = 8, n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    return _vals(sum(COUNTS), h, dtype=dtype), _vals(E_LOCAL, h, n, dtype=dtype, seed=1)
+
+
+def test_alltoallv_gmm_conforming_calls_and_the_loopback_round_trip(npu: Any) -> None:
+    x, _ = _a2a()
+    eye = torch.eye(8, dtype=BF16).expand(E_LOCAL, 8, 8).contiguous()
+    with opcontracts.mode("strict"):
+        y, mm_y, permuted = npu.npu_alltoallv_gmm(x, eye, "ep", WORLD, COUNTS, COUNTS,
+                                                  permute_out_flag=True)
+        back, none = npu.npu_gmm_alltoallv(permuted, eye, "ep", WORLD, COUNTS, COUNTS)
+    assert mm_y is None and none is None
+    torch.testing.assert_close(y, permuted)  # identity experts: the permuted tokens
+    torch.testing.assert_close(back, x)  # permute, then unpermute: the tokens come home
+    # expert-major: expert 0's rows from every rank first
+    blocks = x.split(COUNTS)
+    order = [blocks[r * E_LOCAL + j] for j in range(E_LOCAL) for r in range(WORLD)]
+    torch.testing.assert_close(permuted, torch.cat(order))
+
+
+def test_alltoallv_gmm_at_world_size_one_is_the_grouped_matmul() -> None:
+    """The reference at world size 1 (the collective is the identity), against plain math."""
+    from opcontracts.reference import _fam_gemm_comm as fam
+
+    x, w = _vals(5, 8, dtype=FP32), _vals(2, 8, 4, dtype=FP32, seed=1)
+    mm_x, mm_w = _vals(3, 8, dtype=FP32, seed=2), _vals(4, 8, dtype=FP32, seed=3)
+    y, mm_y, _ = fam.npu_alltoallv_gmm(x, w, "ep", 1, [2, 3], [2, 3], mm_x=mm_x,
+                                       mm_weight=mm_w, trans_mm_weight=True)
+    torch.testing.assert_close(y, torch.cat([x[:2] @ w[0], x[2:] @ w[1]]))
+    torch.testing.assert_close(mm_y, mm_x @ mm_w.T)
+    out, _ = fam.npu_gmm_alltoallv(x, w.transpose(1, 2), "ep", 1, [2, 3], [2, 3],
+                                   trans_gmm_weight=True)
+    torch.testing.assert_close(out, torch.cat([x[:2] @ w[0], x[2:] @ w[1]]))
+
+
+@pytest.mark.parametrize("op", ["npu_alltoallv_gmm", "npu_gmm_alltoallv"])
+@pytest.mark.parametrize(("change", "arg", "rule"), [
+    ({"ep_world_size": 4}, "ep_world_size", "allowed"),
+    ({"send_counts": COUNTS[:2], "recv_counts": COUNTS[:2]}, "ep_world_size", "bound"),
+    ({"recv_counts": COUNTS[:14]}, "recv_counts", "shape"),
+    ({"gmm_weight": _vals(2, 8, 4, dtype=FP16)}, "gmm_weight", "same_dtype"),
+    ({"gmm_x": _vals(9, 8, dtype=FP32), "gmm_weight": _vals(2, 8, 4, dtype=FP32)},
+     "gmm_x", "dtype"),
+    ({"gmm_weight": _vals(8, 4)}, "gmm_weight", "rank"),
+    ({"mm_x": _vals(3, 8, dtype=FP32), "mm_weight": _vals(8, 4)}, "mm_x", "dtype"),
+])
+def test_alltoallv_gmm_each_rule_names_its_argument(npu: Any, op: str, change: dict[str, Any],
+                                                    arg: str, rule: str) -> None:
+    x, w = _a2a()
+    call = {"gmm_x": x, "gmm_weight": w, "hcom": "ep", "ep_world_size": WORLD,
+            "send_counts": COUNTS, "recv_counts": COUNTS, **change}
+    exc = _violation(getattr(npu, op), **call)
+    assert (exc.arg, exc.rule) == (arg, rule), str(exc)
+
+
+def test_alltoallv_gmm_negative_counts_need_value_checks(npu: Any) -> None:
+    x, w = _a2a()
+    bad = [-1, *COUNTS[1:]]
+    with opcontracts.mode("strict"):
+        npu.npu_alltoallv_gmm(x, w, "ep", WORLD, bad, COUNTS)
+    opcontracts.set_value_checks(True)
+    exc = _violation(npu.npu_alltoallv_gmm, x, w, "ep", WORLD, bad, COUNTS)
+    assert (exc.arg, exc.rule) == ("send_counts", "value")
+
+
+def test_alltoallv_gmm_fix_casts_fp32_and_gradients_reach_the_caller(npu: Any) -> None:
+    x, w = (t.requires_grad_() for t in _a2a(FP32))
+    with opcontracts.mode("fix"), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        y, _, _ = npu.npu_alltoallv_gmm(x, w, "ep", WORLD, COUNTS, COUNTS)
+    assert any(issubclass(m.category, ContractFixWarning) for m in seen)
+    assert y.dtype == BF16  # the kernel ran on the repaired (bf16) tokens
+    y.float().sum().backward()
+    assert x.grad is not None and x.grad.dtype == FP32 and bool(x.grad.abs().sum() > 0)
+    assert w.grad is not None and w.grad.dtype == FP32
+
+
+def test_alltoallv_gmm_compiles_through_the_fake(npu: Any) -> None:
+    x, w = _a2a()
+    mm_x, mm_w = _vals(3, 8), _vals(8, 4)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        y, mm_y, p = torch.ops.npu.npu_alltoallv_gmm(x, w, "ep", WORLD, COUNTS, COUNTS,
+                                                     mm_x=mm_x, mm_weight=mm_w,
+                                                     permute_out_flag=True)
+        back, _ = torch.ops.npu.npu_gmm_alltoallv(y, w.transpose(1, 2).contiguous(), "ep",
+                                                  WORLD, COUNTS, COUNTS)
+        return back.sum() + mm_y.sum() + p.sum()
+
+    torch._dynamo.reset()
+    with opcontracts.mode("strict"):
+        out = torch.compile(f, backend="eager")(x)
+    torch.testing.assert_close(out, f(x))
+    torch._dynamo.reset()
+
+
+# =========================================================================== all-gather matmul
+def test_all_gather_base_mm_conforming_calls(npu: Any) -> None:
+    x, x2 = _vals(2, 256) / 4, _vals(256, 4, seed=1) / 4
+    with opcontracts.mode("strict"):
+        out, gathered = npu.npu_all_gather_base_mm(x, x2, "tp", 2)
+        q, _ = npu.npu_all_gather_base_mm(_ints(2, 256), _ints(256, 4, seed=1), "tp", 4,
+                                          x2_scale=torch.full((1, 4), 0.5),
+                                          x1_scale=torch.ones(2, 1), gather_output=False)
+    torch.testing.assert_close(gathered, torch.cat([x, x]))  # every rank holds this shard
+    torch.testing.assert_close(out.float(), (torch.cat([x, x]).float() @ x2.float()).to(
+        BF16).float())
+    assert q.dtype == BF16 and q.shape == (8, 4)  # dequantized, bf16 by default
+
+
+@pytest.mark.parametrize(("change", "arg", "rule"), [
+    ({"self": _vals(2, 128), "x2": _vals(128, 4)}, "self", "shape"),  # k in [256, 65535)
+    ({"x2": _vals(256, 4, dtype=FP16)}, "x2", "same_dtype"),
+    ({"self": _ints(2, 256), "x2": _ints(256, 4)}, "self", "dtype"),  # int8 needs x2_scale
+    ({"world_size": 3}, "world_size", "allowed"),
+    ({"bias": torch.zeros(4, dtype=FP16)}, "bias", "same_dtype"),
+    ({"bias": torch.zeros(5)}, "bias", "dtype"),
+    ({"gather_index": 1}, "gather_index", "allowed"),
+    ({"comm_turn": 1}, "comm_turn", "allowed"),
+    ({"comm_mode": "nccl"}, "comm_mode", "allowed"),
+    ({"x2_scale": torch.ones(1, 5)}, "x2_scale", "shape"),
+])
+def test_all_gather_base_mm_each_rule_names_its_argument(npu: Any, change: dict[str, Any],
+                                                         arg: str, rule: str) -> None:
+    call = {"self": _vals(2, 256), "x2": _vals(256, 4), "hcom": "tp", "world_size": 2, **change}
+    a = [call.pop(k) for k in ("self", "x2", "hcom", "world_size")]
+    exc = _violation(npu.npu_all_gather_base_mm, *a, **call)
+    assert (exc.arg, exc.rule) == (arg, rule), str(exc)
+
+
+def test_all_gather_base_mm_world_size_per_release(npu: Any) -> None:
+    """16 ranks are documented from 2.6.0.post3 on (Atlas A3); 2.5.1's doc says 2, 4, 8."""
+    x, x2 = _vals(2, 256), _vals(256, 4)
+    with opcontracts.mode("strict"):
+        npu.npu_all_gather_base_mm(x, x2, "tp", 16)
+    opcontracts.set_versions(torch_npu="2.5.1")
+    try:
+        exc = _violation(npu.npu_all_gather_base_mm, x, x2, "tp", 16)
+        assert (exc.arg, exc.rule) == ("world_size", "allowed")
+    finally:
+        opcontracts.set_versions(torch_npu=None)
+
+
+def test_all_gather_base_mm_fix_and_gradients(npu: Any) -> None:
+    x = (_vals(2, 256, dtype=FP32) / 4).requires_grad_()
+    x2 = (_vals(256, 4, dtype=BF16, seed=1) / 4).requires_grad_()
+    with opcontracts.mode("fix"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", ContractFixWarning)
+        out, _ = npu.npu_all_gather_base_mm(x, x2, "tp", 2)
+    assert out.dtype == BF16
+    out.float().sum().backward()
+    assert x.grad is not None and x.grad.dtype == FP32
+    # the gathered copies all came from this shard: each row's gradient counts twice
+    torch.testing.assert_close(x.grad, 2 * x2.detach().float().sum(1).expand(2, 256),
+                               atol=1e-2, rtol=1e-2)
+
+
+def test_all_gather_base_mm_compiles_through_the_fake(npu: Any) -> None:
+    x2 = _vals(256, 4)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        out, gathered = torch.ops.npu.npu_all_gather_base_mm(x, x2, "tp", 2)
+        return out.sum() + gathered.sum()
+
+    torch._dynamo.reset()
+    x = _vals(2, 256)
+    with opcontracts.mode("strict"):
+        got = torch.compile(f, backend="eager")(x)
+    torch.testing.assert_close(got, f(x))
+    torch._dynamo.reset()
+
+
+# =========================================================================== grouped matmul add
+def test_grouped_matmul_add_conforming_call_and_its_math(npu: Any) -> None:
+    acc, x, w = _vals(3, 8, 5, dtype=FP32), _vals(6, 8), _vals(6, 5, seed=1)
+    gl = torch.tensor([2, 2, 6])  # cumulative; the second group is empty
+    with opcontracts.mode("strict"):
+        out = npu.npu_grouped_matmul_add(acc, x, w, gl)
+    want = acc + torch.stack([x[a:b].float().T @ w[a:b].float()
+                              for a, b in [(0, 2), (2, 2), (2, 6)]])
+    torch.testing.assert_close(out, want)
+    assert out is not acc and bool((acc != out).any())  # the out-of-place variant
+
+
+@pytest.mark.parametrize(("change", "arg", "rule"), [
+    ({"self": torch.zeros(3, 8, 5, dtype=BF16)}, "self", "dtype"),
+    ({"weight": _vals(6, 5, dtype=FP16)}, "weight", "same_dtype"),
+    ({"self": torch.zeros(2, 8, 5)}, "group_list", "shape"),  # g groups of group_list
+    ({"transpose_x": False}, "transpose_x", "allowed"),
+    ({"transpose_weight": True}, "transpose_weight", "allowed"),
+    ({"group_type": 0}, "group_type", "allowed"),
+    ({"group_list": torch.tensor([2, 2, 6], dtype=I32)}, "group_list", "dtype"),
+])
+def test_grouped_matmul_add_each_rule_names_its_argument(npu: Any, change: dict[str, Any],
+                                                         arg: str, rule: str) -> None:
+    call = {"self": torch.zeros(3, 8, 5), "x": _vals(6, 8), "weight": _vals(6, 5),
+            "group_list": torch.tensor([2, 2, 6]), **change}
+    a = [call.pop(k) for k in ("self", "x", "weight", "group_list")]
+    exc = _violation(npu.npu_grouped_matmul_add, *a, **call)
+    assert (exc.arg, exc.rule) == (arg, rule), str(exc)
+
+
+def test_grouped_matmul_add_has_no_contract_where_no_doc_speaks_for_it(npu: Any) -> None:
+    """2.12.0 has the op in its schema but no doc for it: no contract applies there."""
+    opcontracts.set_versions(torch_npu="2.12.0")
+    try:
+        with opcontracts.mode("strict"):
+            npu.npu_grouped_matmul_add(torch.zeros(3, 8, 5, dtype=BF16), _vals(6, 8),
+                                       _vals(6, 5), torch.tensor([2, 2, 6]))
+    finally:
+        opcontracts.set_versions(torch_npu=None)
