@@ -417,6 +417,30 @@ EXTRAS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
         "pse": torch.zeros(1, 2, 4, 4, dtype=b["query"].dtype)},
     "mindspeed.npu_fusion_attention": lambda b: {
         "prefix": [0, 0], "q_start_idx": [0], "kv_start_idx": [0]},
+    # serving attention: the quantization arguments, in their documented dtypes
+    "npu_prompt_flash_attention": lambda b: {
+        "deq_scale1": torch.ones(1), "quant_scale1": torch.ones(1), "deq_scale2": torch.ones(1),
+        "quant_scale2": torch.ones(1), "quant_offset2": torch.zeros(1)},
+    "npu_incre_flash_attention": lambda b: {
+        "antiquant_scale": torch.ones(2, 16, dtype=BF16),
+        "antiquant_offset": torch.zeros(2, 16, dtype=BF16), "dequant_scale1": torch.ones(1),
+        "quant_scale1": torch.ones(1), "dequant_scale2": torch.ones(1),
+        "quant_scale2": torch.ones(1), "quant_offset2": torch.zeros(1),
+        "kv_padding_size": torch.zeros(1, dtype=torch.int64)},
+    "npu_fused_infer_attention_score": lambda b: {
+        "dequant_scale1": torch.ones(1), "quant_scale1": torch.ones(1),
+        "dequant_scale2": torch.ones(1), "quant_scale2": torch.ones(1),
+        "quant_offset2": torch.zeros(1), "antiquant_scale": torch.ones(2, 16, dtype=BF16),
+        "antiquant_offset": torch.zeros(2, 16, dtype=BF16),
+        **{f"{kv}_antiquant_{p}": torch.ones(2, 8) for kv in ("key", "value")
+           for p in ("scale", "offset")},
+        "query_padding_size": torch.zeros(1, dtype=torch.int64),
+        "kv_padding_size": torch.zeros(1, dtype=torch.int64),
+        "key_shared_prefix": torch.zeros(1, 4, 16, dtype=BF16),
+        "value_shared_prefix": torch.zeros(1, 4, 16, dtype=BF16),
+        "query_rope": torch.zeros(2, 2, 1, 4, dtype=BF16),
+        "key_rope": torch.zeros(6, 4, 8, dtype=BF16),
+        "key_rope_antiquant_scale": torch.ones(4, dtype=BF16)},
     "npu_moe_gating_top_k_softmax": lambda b: {"finished": torch.zeros(N, dtype=torch.bool)},
     "npu_moe_finalize_routing": lambda b: {"skip2": torch.zeros_like(b["skip1"])},
     # moe serving: the arguments their examples leave out (offset: unused in the supported

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ..reference import _attention as R
+from ..reference import _attention_infer as RI
 from ._family import EmulatedOp
 
 __all__ = ["OPS"]
@@ -114,6 +115,70 @@ def _grads_v2(a: dict[str, Any]) -> tuple[torch.Tensor, ...]:
     return dq, dk, dv, dpse, dqr, dkr, dsink
 
 
+# --------------------------------------------------------------------------- serving fakes
+def _infer_dtype(a: dict[str, Any], rope: torch.Tensor | None = None) -> torch.dtype:
+    """The meta kernels' output dtype: int8 with quant_scale2, float16 (or query_rope's) for an
+    int8 query, else query's."""
+    q = a["query"]
+    if a.get("quant_scale2") is not None:
+        return torch.int8
+    if q.dtype == torch.int8:
+        return rope.dtype if rope is not None else torch.float16
+    return q.dtype
+
+
+def _pfa(a: dict[str, Any]) -> torch.Tensor:
+    q, layout = a["query"], a["input_layout"]
+    shape: list[Any] = list(q.shape)
+    if layout == "BNSD_BSND":
+        shape = [q.size(0), q.size(2), q.size(1), q.size(3)]
+    elif layout == "TND":
+        shape = [q.size(0), q.size(1), a["value"].size(2)]
+    return q.new_empty(shape, dtype=_infer_dtype(a))
+
+
+def _ifa(a: dict[str, Any]) -> torch.Tensor:
+    return a["query"].new_empty(a["query"].shape, dtype=_infer_dtype(a))
+
+
+def _fia(a: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch_npu 2.14.0's meta kernel: the out layout of input_layout, value's head dim."""
+    q, value, heads = a["query"], a["value"], a["num_heads"]
+    kv_heads = a["num_key_value_heads"] or heads
+    q_layout, out_layout = RI.split_layout(a["input_layout"])
+    if a["block_table"] is not None:
+        dv = value.size(2) // kv_heads if value.dim() == 3 else (
+            value.size(3) if value.dim() == 4 else value.size(2) * value.size(4))
+    elif q_layout == "BSH":
+        dv = value.size(2) // kv_heads
+    elif q_layout in ("BNSD", "BSND"):
+        dv = value.size(3)
+    else:
+        dv = value.size(2)
+    if value.dtype == torch.int32:  # int4 carried in int32
+        dv = dv * 8
+    if q_layout in ("TND", "NTD"):
+        t, n, d = (q.size(0), q.size(1), q.size(2)) if q_layout == "TND" else \
+            (q.size(1), q.size(0), q.size(2))
+        b = s = 0
+    else:
+        b, s, n, d = {"BSH": lambda: (q.size(0), q.size(1), heads, q.size(2) // heads),
+                      "BSND": lambda: (q.size(0), q.size(1), q.size(2), q.size(3)),
+                      "BNSD": lambda: (q.size(0), q.size(2), q.size(1), q.size(3)),
+                      "NSD": lambda: (1, q.size(1), q.size(0), q.size(2))}[q_layout]()
+    dv = dv if dv != 0 and d != 0 else d
+    shape: list[Any] = {"BSH": lambda: [b, s, n * dv], "BSND": lambda: [b, s, n, dv],
+                        "BNSD": lambda: [b, n, s, dv], "NBSD": lambda: [n, b, s, dv],
+                        "TND": lambda: [t, n, dv], "NTD": lambda: [n, t, dv],
+                        "NSD": lambda: [n, s, dv]}[out_layout]()
+    out = q.new_empty(shape, dtype=_infer_dtype(a, a["query_rope"]))
+    if not a["softmax_lse_flag"]:
+        return out, q.new_empty((0,), dtype=_F32)
+    if q_layout in ("TND", "NTD"):
+        return out, q.new_empty((t, n, 1), dtype=_F32)
+    return out, q.new_empty((b, n, s, 1), dtype=_F32)
+
+
 # --------------------------------------------------------------------------- backward
 def _dy(outputs: Any, grads: Any) -> torch.Tensor:
     g = grads[0]
@@ -176,6 +241,17 @@ _FA_GRAD_DTYPES = {**_FA_DTYPES, "dy": FLOATS, "attention_in": FLOATS,
 _FA2_DTYPES = {**_FA_DTYPES, "query_rope": ("bf16",), "key_rope": ("bf16",)}
 _FA2_GRAD_DTYPES = {**_FA_GRAD_DTYPES, "query_rope": ("bf16",), "key_rope": ("bf16",)}
 
+# serving (Atlas A2/A3 tables): float16/bfloat16 query; int8 key/value read correctly (the
+# antiquant mode); the quantized query modes are not emulated (the reference raises)
+HALVES = ("bf16", "fp16")
+_INFER_MASK = ("bool", "int8", "uint8")
+_PFA_DTYPES = {"query": HALVES, "key": HALVES, "value": HALVES, "pse_shift": HALVES,
+               "atten_mask": _INFER_MASK}
+_IFA_DTYPES = {"query": HALVES, "key": (*HALVES, "int8"), "value": (*HALVES, "int8"),
+               "pse_shift": HALVES, "atten_mask": _INFER_MASK, "block_table": ("int32",),
+               "antiquant_scale": HALVES, "antiquant_offset": HALVES}
+_FIA_DTYPES = {**_IFA_DTYPES, "query_rope": HALVES, "key_rope": HALVES}
+
 OPS: tuple[EmulatedOp, ...] = (
     EmulatedOp("npu_fusion_attention", fake=_fake_of(R.npu_fusion_attention, _fa),
                dtypes=_FA_DTYPES, backward=_fa_backward,
@@ -190,4 +266,13 @@ OPS: tuple[EmulatedOp, ...] = (
                fake=_fake_of(R.npu_fusion_attention_grad_v2, _grads_v2),
                dtypes=_FA2_GRAD_DTYPES,
                source=f"{_DOCS} (npu_fusion_attention_v2: its backward kernel has no doc)"),
+    EmulatedOp("npu_prompt_flash_attention",
+               fake=_fake_of(RI.npu_prompt_flash_attention, _pfa), dtypes=_PFA_DTYPES,
+               source=f"{_DOCS} (npu_prompt_flash_attention)"),
+    EmulatedOp("npu_incre_flash_attention",
+               fake=_fake_of(RI.npu_incre_flash_attention, _ifa), dtypes=_IFA_DTYPES,
+               source=f"{_DOCS} (npu_incre_flash_attention)"),
+    EmulatedOp("npu_fused_infer_attention_score",
+               fake=_fake_of(RI.npu_fused_infer_attention_score, _fia), dtypes=_FIA_DTYPES,
+               source=f"{_DOCS} (npu_fused_infer_attention_score)"),
 )

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from . import Reference, _attention
+from . import Reference, _attention, _attention_infer
 
 __all__ = ["REFERENCES"]
 
@@ -144,6 +144,43 @@ def ms_fusion_attention_grad(gen: torch.Generator) -> Example:
 
 _MS = "MindSpeed master, docs/zh/ops/fusion_attention.md"
 
+# --------------------------------------------------------------------------- serving
+def _paged(gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """A decode step on a paged KV cache: query (2, 2, 1, 8) BNSD; key/value caches of 6
+    blocks of 4 tokens, (6, 4, 16); two sequences of 6 and 3 tokens in blocks [3, 1], [0, 5]."""
+    q = _vals(gen, 2, 2, 1, 8, div=32)
+    k, v = (_vals(gen, 6, 4, 16, div=32) for _ in range(2))
+    table = torch.tensor([[3, 1], [0, 5]], dtype=torch.int32)
+    pse = _vals(gen, 2, 2, 1, 8)
+    mask = torch.zeros(2, 1, 1, 8, dtype=torch.bool)
+    mask[0, ..., 1] = True  # one masked position of the first sequence
+    return q, k, v, table, pse, mask
+
+
+def prompt_flash_attention(gen: torch.Generator) -> Example:
+    """Prefill, BNSD, the causal mask (sparse_mode 0), pse_shift, a shorter second query."""
+    q, k, v = (_vals(gen, 2, 2, 4, 8, div=32) for _ in range(3))
+    return (q, k, v), {"atten_mask": _causal(4, 4), "pse_shift": _vals(gen, 1, 2, 4, 4),
+                       "actual_seq_lengths": [4, 3], "actual_seq_lengths_kv": [4, 4],
+                       "num_heads": 2, "scale_value": 0.25, "input_layout": "BNSD",
+                       "num_key_value_heads": 2, "sparse_mode": 0}
+
+
+def incre_flash_attention(gen: torch.Generator) -> Example:
+    q, k, v, table, pse, mask = _paged(gen)
+    return (q, k, v), {"atten_mask": mask, "pse_shift": pse, "actual_seq_lengths": [6, 3],
+                       "block_table": table, "num_heads": 2, "scale_value": 0.25,
+                       "input_layout": "BNSD", "num_key_value_heads": 2, "block_size": 4}
+
+
+def fused_infer_attention_score(gen: torch.Generator) -> Example:
+    q, k, v, table, pse, mask = _paged(gen)
+    return (q, k, v), {"atten_mask": mask, "pse_shift": pse, "actual_seq_lengths_kv": [6, 3],
+                       "block_table": table, "num_heads": 2, "scale": 0.25,
+                       "input_layout": "BNSD", "num_key_value_heads": 2, "block_size": 4,
+                       "softmax_lse_flag": True}
+
+
 _FA = f"{_DOCS} (npu_fusion_attention), {_META}"
 _FA2 = f"{_DOCS} (npu_fusion_attention_v2), {_META}"
 
@@ -168,4 +205,17 @@ REFERENCES: tuple[Reference, ...] = (
     Reference("mindspeed.npu_fusion_attention_grad", mindspeed_fusion_attention_grad,
               example=ms_fusion_attention_grad, grad_of="mindspeed.npu_fusion_attention",
               source=f"{_MS} (反向接口; npu_fusion_attention_grad_v2's reference)"),
+    Reference("npu_prompt_flash_attention", _attention_infer.npu_prompt_flash_attention,
+              example=prompt_flash_attention,
+              source=f"{_DOCS} (npu_prompt_flash_attention), {_META} (float paths; the "
+                     "quantized modes not covered)"),
+    Reference("npu_incre_flash_attention", _attention_infer.npu_incre_flash_attention,
+              example=incre_flash_attention,
+              source=f"{_DOCS} (npu_incre_flash_attention), {_META}; CANN AscendAntiQuant "
+                     "(KV antiquant); full quantization not covered"),
+    Reference("npu_fused_infer_attention_score",
+              _attention_infer.npu_fused_infer_attention_score,
+              example=fused_infer_attention_score,
+              source=f"{_DOCS} (npu_fused_infer_attention_score), {_META}; CANN "
+                     "AscendAntiQuant (KV antiquant); full quantization not covered"),
 )
