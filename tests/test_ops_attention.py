@@ -473,3 +473,149 @@ def test_mindspeed_fusion_attention_v2_is_guarded(npu: Any) -> None:
                      N, "TND", softmax_max=smax, softmax_sum=ssum, attention_in=out.detach(),
                      **kw)
     assert exc.arg == "grad_outputs"
+
+
+# =========================================================================== serving
+def _decode_inputs(seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """A decode step, BNSD query (2, 2, 1, 8), on a paged cache of 6 blocks of 4 tokens
+    (blocknum, blocksize, H = 16): sequences of 6 and 3 tokens in blocks [3, 1] and [0, 5]."""
+    q = _vals(2, 2, 1, 8, seed=seed)
+    k, v = _vals(6, 4, 16, seed=seed + 1), _vals(6, 4, 16, seed=seed + 2)
+    table = torch.tensor([[3, 1], [0, 5]], dtype=torch.int32)
+    return q, k, v, table
+
+
+def _contiguous(cache: torch.Tensor, table: torch.Tensor, lens: list[int]) -> list[torch.Tensor]:
+    """Each sequence's (N, len, D) key or value, gathered by hand."""
+    out = []
+    for b, n in enumerate(lens):
+        rows = torch.cat([cache[i] for i in table[b].tolist()])[:n]
+        out.append(rows.view(n, 2, 8).transpose(0, 1))
+    return out
+
+
+def test_decode_on_a_paged_cache_is_attention_over_each_sequence(npu: Any) -> None:
+    q, k, v, table = _decode_inputs()
+    lens = [6, 3]
+    with opcontracts.mode("strict"):
+        ifa = npu.npu_incre_flash_attention(q, k, v, actual_seq_lengths=lens, block_table=table,
+                                            num_heads=2, input_layout="BNSD", block_size=4,
+                                            scale_value=0.25)
+        fia, lse = npu.npu_fused_infer_attention_score(
+            q, k, v, actual_seq_lengths_kv=lens, block_table=table, num_heads=2,
+            input_layout="BNSD", block_size=4, scale=0.25, softmax_lse_flag=True)
+    ks, vs = _contiguous(k, table, lens), _contiguous(v, table, lens)
+    for b in range(2):
+        want = _plain(q[b:b + 1], ks[b][None], vs[b][None], 0.25)
+        torch.testing.assert_close(ifa[b:b + 1].double(), want, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(fia, ifa)
+    assert lse.shape == (2, 2, 1, 1) and lse.dtype == FP32
+    assert not opcontracts.report()
+
+
+def test_prefill_matches_the_formula_and_the_fused_op(npu: Any) -> None:
+    q, k, v = (_vals(2, 2, 4, 8, seed=i) for i in range(3))
+    pse = _vals(1, 2, 4, 4, seed=3)
+    kw: dict[str, Any] = dict(atten_mask=_causal(4), pse_shift=pse, num_heads=2,
+                              input_layout="BNSD")
+    with opcontracts.mode("strict"):
+        pfa = npu.npu_prompt_flash_attention(q, k, v, scale_value=0.25, **kw)
+        fia, lse = npu.npu_fused_infer_attention_score(q, k, v, scale=0.25, **kw)
+        bsnd = npu.npu_prompt_flash_attention(q, k, v, scale_value=0.25,
+                                              **{**kw, "input_layout": "BNSD_BSND"})
+    s = (q.double() @ k.double().transpose(-1, -2)) * 0.25 + pse.double()
+    want = torch.softmax(s.masked_fill(_causal(4), float("-inf")), -1) @ v.double()
+    torch.testing.assert_close(pfa.double(), want, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(fia, pfa)
+    torch.testing.assert_close(bsnd, pfa.transpose(1, 2))
+    assert lse.numel() == 0  # softmax_lse_flag off: the meta kernel's empty tensor
+    assert not opcontracts.report()
+
+
+def test_serving_violations_name_the_argument(npu: Any) -> None:
+    q, k, v, table = _decode_inputs()
+    kw: dict[str, Any] = dict(actual_seq_lengths=[6, 3], block_table=table, num_heads=2,
+                              input_layout="BNSD", block_size=4)
+    ifa = npu.npu_incre_flash_attention
+    cases: list[tuple[dict[str, Any], str, str]] = [
+        ({"key": k.half()}, "key", "same_dtype"),
+        ({"key": k.to(torch.int8), "value": v.to(torch.int8)}, "key", "dtype"),  # no scales
+        ({"value": v[:5]}, "value", "same_shape"),
+        ({"block_table": table.long()}, "block_table", "dtype"),
+        ({"pse_shift": _vals(2, 2, 1, 8).half()}, "pse_shift", "same_dtype"),
+        ({"atten_mask": torch.zeros(2, 1, 1, 8)}, "atten_mask", "dtype"),
+        ({"input_layout": "TND"}, "input_layout", "allowed"),
+        ({"num_heads": 0}, "num_heads", "bound"),
+        ({"inner_precise": 2}, "inner_precise", "allowed"),
+    ]
+    for change, arg, rule in cases:
+        call = {"query": q, "key": k, "value": v, **kw, **change}
+        exc = _violation(ifa, **call)
+        assert (exc.arg, exc.rule) == (arg, rule), (change, exc)
+    # int8 KV (antiquant) with its scales is a documented call
+    scale = torch.ones(2, 16, dtype=BF16)
+    with opcontracts.mode("strict"):
+        out = ifa(q, k.to(torch.int8), v.to(torch.int8), antiquant_scale=scale, **kw)
+    assert out.dtype == BF16
+    # block ids past the cache (the doc: not validated): caught with value checks on
+    bad = table.clone()
+    bad[1, 1] = 6
+    with opcontracts.mode("strict"):
+        ifa(q, k, v, **{**kw, "block_table": bad})
+    opcontracts.set_value_checks(True)
+    exc = _violation(ifa, q, k, v, **{**kw, "block_table": bad})
+    assert (exc.arg, exc.rule) == ("block_table", "value") and "NB" in exc.expected
+
+
+def test_fused_infer_rules(npu: Any) -> None:
+    q, k, v, table = _decode_inputs()
+    kw: dict[str, Any] = dict(actual_seq_lengths_kv=[6, 3], block_table=table, num_heads=2,
+                              input_layout="BNSD", block_size=4)
+    fia = npu.npu_fused_infer_attention_score
+    assert _violation(fia, q, k, v, sparse_mode=5, **kw).arg == "sparse_mode"
+    assert _violation(fia, q, k, v, **{**kw, "input_layout": "BHSD"}).arg == "input_layout"
+    assert _violation(fia, q, k, v, antiquant_mode=2, **kw).arg == "antiquant_mode"
+    exc = _violation(fia, q.half(), k.half(), v.half(), quant_scale2=torch.ones(1, dtype=BF16),
+                     **kw)
+    assert (exc.arg, exc.rule) == ("quant_scale2", "same_dtype")  # bf16 only with bf16 input
+    # the layouts of the meta kernel's table pass, and so does npu_trans_quant_param's int64
+    with opcontracts.mode("strict"):
+        fia(q, k, v, **{**kw, "input_layout": "BNSD_NBSD"})
+    opcontracts.check("npu_fused_infer_attention_score", q.to(torch.int8), k.to(torch.int8),
+                      v.to(torch.int8), dequant_scale1=torch.ones(1, dtype=torch.int64), **kw)
+    # sparse_mode 9 is documented from 2.7.1.post8 / 2.9.0.post6 / 2.10.0.post4 on
+    opcontracts.set_versions(torch_npu="2.9.0")
+    with opcontracts.mode("strict"):  # not a violation there: that doc states no values
+        fia(q, k, v, sparse_mode=7, **kw)
+
+
+def test_serving_fix_casts_and_unchecked_calls_misread(npu: Any) -> None:
+    q, k, v, table = _decode_inputs()
+    kw: dict[str, Any] = dict(actual_seq_lengths_kv=[6, 3], num_heads=2, input_layout="BNSD",
+                              block_size=4, scale=0.25)
+    ref = npu.npu_fused_infer_attention_score(q, k, v, block_table=table, **kw)[0]
+    with opcontracts.mode("fix"), pytest.warns(ContractFixWarning, match="key"):
+        fixed = npu.npu_fused_infer_attention_score(q, k.float(), v, block_table=table, **kw)[0]
+    torch.testing.assert_close(fixed, ref)
+    with opcontracts.mode("off"):  # an int64 block table, read as int32: other blocks, silently
+        wrong = npu.npu_fused_infer_attention_score(q, k, v, block_table=table.long(), **kw)[0]
+    assert wrong.shape == ref.shape and not torch.allclose(wrong.float(), ref.float(), atol=1e-2)
+
+
+def test_fused_infer_compiles_through_the_fake(npu: Any) -> None:
+    q, k, v, table = _decode_inputs()
+
+    def f(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out, lse = torch.ops.npu.npu_fused_infer_attention_score(
+            q, k, v, actual_seq_lengths_kv=[6, 3], block_table=table, num_heads=2,
+            input_layout="BNSD_BSND", block_size=4, scale=0.25, softmax_lse_flag=True)
+        return out.float().sum() + lse.sum()
+
+    torch._dynamo.reset()
+    try:
+        with opcontracts.mode("strict"):
+            assert torch._dynamo.explain(f)(q, k, v).graph_break_count == 0
+            got = torch.compile(f, backend="eager", fullgraph=True)(q, k, v)
+        torch.testing.assert_close(got, f(q, k, v))
+    finally:
+        torch._dynamo.reset()
