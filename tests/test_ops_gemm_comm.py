@@ -550,3 +550,123 @@ def test_grouped_matmul_add_has_no_contract_where_no_doc_speaks_for_it(npu: Any)
                                        _vals(6, 5), torch.tensor([2, 2, 6]))
     finally:
         opcontracts.set_versions(torch_npu=None)
+
+
+# =========================================================================== MindSpeed accumulation
+@pytest.fixture
+def ms(npu: Any) -> Any:
+    """MindSpeed's two accumulation modules (stand-ins), CANN 8.0.0 on Atlas A2 (the ATB
+    kernel's fp16 restriction, CANN >= 8.1.RC1, left out unless a test asks)."""
+    from mindspeed.ops import npu_groupmatmul_add, npu_matmul_add
+
+    opcontracts.set_versions(cann="8.0.0", soc="Ascend910B3")
+    try:
+        yield npu_matmul_add, npu_groupmatmul_add
+    finally:
+        opcontracts.set_versions(cann=None, soc=None)
+
+
+def test_matmul_add_fp32_accumulates_in_place_in_strict_mode(ms: Any) -> None:
+    mod, _ = ms
+    ti, go = _vals(6, 8), _vals(6, 5, seed=1)
+    grad = _vals(5, 8, dtype=FP32, seed=2)
+    want = grad + go.float().T @ ti.float()
+    with opcontracts.mode("strict"):
+        assert mod.npu_matmul_add_fp32(ti, go, grad) is None
+        mod.npu_matmul_add_fp32(ti[:0], go[:0], grad)  # empty: nothing, as MindSpeed
+        mod.npu_matmul_add_fp32(ti.half(), go.half(), grad)  # MindSpeed's doc: fp16 too
+    torch.testing.assert_close(grad, want + go.float().T @ ti.float())
+    assert not opcontracts.report()
+
+
+def test_matmul_add_fp32_bf16_main_grad_is_garbage_unchecked_and_caught(ms: Any) -> None:
+    """The kernel writes fp32 into whatever buffer it gets: a bf16 main_grad (Megatron's
+    npu_matmul_add_fp16 case) silently turns into garbage; the contract stops it, and fix mode
+    refuses to cast it (the accumulation would land in a copy)."""
+    mod, _ = ms
+    ti, go = _vals(6, 8), _vals(6, 5, seed=1)
+    grad = torch.zeros(5, 8, dtype=BF16)
+    with opcontracts.mode("off"):
+        mod.npu_matmul_add_fp32(ti, go, grad)
+    assert not torch.allclose(grad.float(), go.float().T @ ti.float(), atol=0.5)
+    for mode in ("strict", "fix"):
+        with opcontracts.mode(mode), pytest.raises(ContractViolation) as info:
+            mod.npu_matmul_add_fp32(ti, go, torch.zeros(5, 8, dtype=BF16))
+        assert (info.value.arg, info.value.rule) == ("grad", "dtype")
+
+
+@pytest.mark.parametrize(("args", "arg", "rule"), [
+    ((_vals(6, 8), _vals(6, 5), torch.zeros(5, 9)), "grad", "shape"),  # (N, K)
+    ((_vals(6, 8), _vals(7, 5), torch.zeros(5, 8)), "grad_output", "shape"),  # T
+    ((_vals(6, 8, dtype=FP32), _vals(6, 5), torch.zeros(5, 8)), "total_input", "dtype"),
+    ((_vals(2, 3, 8), _vals(6, 5), torch.zeros(5, 8)), "total_input", "rank"),
+])
+def test_matmul_add_fp32_each_rule_names_its_argument(ms: Any, args: tuple[Any, ...], arg: str,
+                                                      rule: str) -> None:
+    exc = _violation(ms[0].npu_matmul_add_fp32, *args)
+    assert (exc.arg, exc.rule) == (arg, rule), str(exc)
+
+
+def test_matmul_add_fp32_fix_casts_the_inputs_never_the_accumulator(ms: Any) -> None:
+    ti, go = _vals(6, 8, dtype=FP32), _vals(6, 5, seed=1)
+    grad = torch.zeros(5, 8)
+    with opcontracts.mode("fix"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", ContractFixWarning)
+        ms[0].npu_matmul_add_fp32(ti, go, grad)
+    torch.testing.assert_close(grad, go.float().T @ ti.to(BF16).float())
+
+
+def test_matmul_add_fp32_atb_takes_bf16_only_from_cann_8_1(ms: Any) -> None:
+    """The ATB kernel of Atlas A2/A3 does not support fp16 with transposeA (CANN 8.1.RC1 docs),
+    which MindSpeed always sets; on Ascend 950 MindSpeed uses addmm_ instead."""
+    ti, go, grad = _vals(6, 8, dtype=FP16), _vals(6, 5, dtype=FP16), torch.zeros(5, 8)
+    opcontracts.set_versions(cann="8.1.RC1")
+    exc = _violation(ms[0].npu_matmul_add_fp32, ti, go, grad)
+    assert (exc.arg, exc.rule) == ("total_input", "dtype") and "CANN 8.1.RC1" in exc.source
+    exc = _violation(ms[0].npu_matmul_add_fp32, _vals(6, 8), go, grad)
+    assert exc.arg == "grad_output"
+    opcontracts.set_versions(soc="Ascend950")
+    with opcontracts.mode("strict"):
+        ms[0].npu_matmul_add_fp32(ti, go, grad)
+
+
+def test_groupmatmul_add_fp32_accumulates_per_group(ms: Any) -> None:
+    _, mod = ms
+    x, dy = _vals(6, 8), _vals(6, 5, seed=1)
+    grad = _vals(3, 8, 5, dtype=FP32, seed=2)  # a 3-D expert weight's main_grad
+    want = grad + torch.stack([x[a:b].float().T @ dy[a:b].float()
+                               for a, b in [(0, 2), (2, 2), (2, 6)]])
+    with opcontracts.mode("strict"):
+        assert mod.npu_groupmatmul_add_fp32(x, dy, torch.tensor([2, 2, 6]), grad) is None
+        flat = torch.zeros(3 * 8, 5)  # MindSpeed's 2-D [w1, w2] main_grad
+        mod.npu_groupmatmul_add_fp32(x, dy, torch.tensor([2, 2, 6]), flat)
+    torch.testing.assert_close(grad, want)
+    torch.testing.assert_close(flat.view(3, 8, 5), want - _vals(3, 8, 5, dtype=FP32, seed=2))
+    assert not opcontracts.report()
+
+
+@pytest.mark.parametrize(("change", "arg", "rule"), [
+    ({"dy": _vals(6, 5, dtype=FP16)}, "dy", "same_dtype"),
+    ({"grouplist": torch.tensor([2, 2, 6], dtype=I32)}, "grouplist", "dtype"),
+    ({"grad": torch.zeros(3 * 8, 5, dtype=BF16)}, "grad", "dtype"),
+    ({"dy": _vals(5, 5)}, "dy", "shape"),  # T rows
+])
+def test_groupmatmul_add_fp32_each_rule_names_its_argument(ms: Any, change: dict[str, Any],
+                                                           arg: str, rule: str) -> None:
+    call = {"x": _vals(6, 8), "dy": _vals(6, 5), "grouplist": torch.tensor([2, 2, 6]),
+            "grad": torch.zeros(3 * 8, 5), **change}
+    exc = _violation(ms[1].npu_groupmatmul_add_fp32, *call.values())
+    assert (exc.arg, exc.rule) == (arg, rule), str(exc)
+
+
+def test_groupmatmul_add_fp32_values_and_the_atb_group_limit(ms: Any) -> None:
+    x, dy = _vals(6, 8), _vals(6, 5)
+    opcontracts.set_value_checks(True)  # counts where MindSpeed passes the cumulative ends
+    exc = _violation(ms[1].npu_groupmatmul_add_fp32, x, dy, torch.tensor([2, 0, 4]),
+                     torch.zeros(3 * 8, 5))
+    assert (exc.arg, exc.rule) == ("grouplist", "value") and "decreases" in str(exc)
+    opcontracts.set_value_checks(False)
+    many = torch.full((129,), 6)
+    opcontracts.set_versions(cann="8.1.RC1")  # ATB (A2/A3): at most 128 groups
+    exc = _violation(ms[1].npu_groupmatmul_add_fp32, x, dy, many, torch.zeros(129 * 8, 5))
+    assert (exc.arg, exc.rule) == ("grouplist", "shape") and "128" in exc.expected

@@ -23,8 +23,10 @@ from typing import Any
 
 import torch
 
+from ..reference import _fam_gemm_comm as _gemm_ref
 from ..reference._attention import npu_ring_attention_update as _ring_reference
 from ._ops import NAMESPACE, OP_NAMES
+from ._raw import reinterpret
 
 __all__ = ["MARKER", "MODULE_NAMES", "StandinFinder", "is_standin"]
 
@@ -160,6 +162,60 @@ def _swiglu_classes(module: types.ModuleType) -> list[type]:
     return [SwiGLUFunction, BiasSwiGLUFunction]
 
 
+def _write_back(grad: torch.Tensor, result: torch.Tensor) -> None:
+    """Store a kernel's fp32 accumulation in ``grad``, in place: as fp32 numbers when ``grad``
+    is fp32, else as the kernel writes them: fp32 bytes into a buffer of another dtype (as far
+    as it reaches; the rest of what the NPU kernel writes lies past its end)."""
+    if grad.dtype == result.dtype or not grad.is_contiguous():
+        grad.copy_(result)
+        return
+    raw = grad.view(-1).view(torch.uint8)
+    raw.copy_(result.contiguous().view(-1).view(torch.uint8)[: raw.numel()])
+
+
+def _as_fp32(grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` as the fp32-only kernel reads it (another dtype's bytes reinterpreted)."""
+    return grad if grad.dtype == torch.float32 else reinterpret(grad, torch.float32)
+
+
+def npu_matmul_add_fp32(total_input, grad_output, grad):  # type: ignore[no-untyped-def]
+    """MindSpeed's gradient accumulation into an fp32 main_grad (``mindspeed.ops.npu_matmul_add``,
+    the ATB LinearOperation with transposeA and accumulation): ``grad += grad_output.T @
+    total_input``, in place, computed in fp32; returns None, and does nothing for empty inputs,
+    as MindSpeed's.  ``grad`` is read and written as fp32 whatever its dtype (the kernel's)."""
+    for dim in total_input.shape:
+        if dim == 0:
+            return
+    for dim in grad_output.shape:
+        if dim == 0:
+            return
+    with torch.no_grad():
+        _write_back(grad, _gemm_ref.matmul_add_fp32(total_input, grad_output, _as_fp32(grad)))
+
+
+def npu_matmul_add_fp16(total_input, grad_output, grad):  # type: ignore[no-untyped-def]
+    """MindSpeed's plain-PyTorch variant for fp16 / bf16 main_grads (no kernel of its own)."""
+    for dim in total_input.shape:
+        if dim == 0:
+            return
+    for dim in grad_output.shape:
+        if dim == 0:
+            return
+    grad_weight = grad_output.t().matmul(total_input)
+    grad.add_(grad_weight)
+
+
+def npu_groupmatmul_add_fp32(x, dy, grouplist, grad):  # type: ignore[no-untyped-def]
+    """MindSpeed's grouped gradient accumulation (``mindspeed.ops.npu_groupmatmul_add``):
+    ``grad`` viewed as (G, K, N) gets ``x[rows_g].T @ dy[rows_g]`` added per group of rows
+    (``grouplist`` cumulative), in place; returns None.  As MindSpeed on Ascend 950 (the ATB
+    kernel of A2/A3 computes the same): through torch_npu's grouped matmul add, here the
+    emulated out-of-place ``torch.ops.npu.npu_grouped_matmul_add``, written back into grad."""
+    view = grad.view(grouplist.shape[0], x.shape[-1], dy.shape[-1])
+    with torch.no_grad():
+        _write_back(view, _npu().npu_grouped_matmul_add(view, x, dy, grouplist))
+
+
 # --------------------------------------------------------------------------- module builders
 
 
@@ -226,6 +282,13 @@ class _Builders:
             setattr(module, cls.__name__, cls)
             module.__all__.append(cls.__name__)  # type: ignore[attr-defined]
 
+    def matmul_add(self, module: types.ModuleType) -> None:
+        _export(module, [npu_matmul_add_fp32, npu_matmul_add_fp16])
+        module.__all__ = ["npu_matmul_add_fp32"]  # type: ignore[attr-defined]  # MindSpeed's
+
+    def groupmatmul_add(self, module: types.ModuleType) -> None:
+        _export(module, [npu_groupmatmul_add_fp32])
+
     def table(self) -> dict[str, Callable[[types.ModuleType], None]]:
         return {
             "torch_npu": self.torch_npu,
@@ -237,6 +300,8 @@ class _Builders:
             "mindspeed.ops.npu_rotary_position_embedding": self.rope,
             "mindspeed.ops.fusion_attention_v2": self.fusion_attention,
             "mindspeed.ops.npu_ring_attention_update": self.ring,
+            "mindspeed.ops.npu_matmul_add": self.matmul_add,
+            "mindspeed.ops.npu_groupmatmul_add": self.groupmatmul_add,
             "mindspeed.core": self.mindspeed_core,
             "mindspeed.core.fusions": self.mindspeed_core,
             "mindspeed.core.fusions.fused_bias_swiglu": self.fused_bias_swiglu,

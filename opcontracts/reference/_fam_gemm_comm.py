@@ -32,9 +32,12 @@ On a real multi-rank job the outputs depend on the other ranks' data, which no s
 reference sees: a shadow compare of these ops is meaningful at world size 1 only.
 
 MindSpeed's in-place accumulations (``npu_matmul_add_fp32``, ``npu_groupmatmul_add_fp32``) have
-their math here (``matmul_add_fp32``, ``groupmatmul_add_fp32``: out of place) for the stand-ins,
-but no ``Reference`` entry: they return None and write into ``grad``, and the shadow compare
-judges outputs only.
+their math here (``matmul_add_fp32``, ``groupmatmul_add_fp32``: out of place), which the
+stand-ins run.  Their ``Reference`` entries return None, as the ops do: the result is written
+into ``grad``, and the shadow compare and the probe judge outputs only, so for these two they
+judge nothing (a reference that returned the accumulated tensor would be counted as an error:
+"the op returned 0 tensors, its reference 1").  Judging a mutated argument would need the
+compare to know which argument an op writes.
 """
 
 from __future__ import annotations
@@ -365,7 +368,29 @@ def grouped_matmul_add_example(gen: torch.Generator) -> tuple[tuple[Any, ...], d
             torch.tensor([2, 2, 6])), {}
 
 
+def _returns_none(*args: Any, **kwargs: Any) -> None:
+    """What MindSpeed's in-place accumulations return (see the module docstring)."""
+    return None
+
+
+def matmul_add_example(gen: torch.Generator) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    return (_vals(gen, 6, 8), _vals(gen, 6, 5), _vals(gen, 5, 8, dtype=_F32)), {}
+
+
+def groupmatmul_add_example(gen: torch.Generator) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    return (_vals(gen, 6, 8), _vals(gen, 6, 5), torch.tensor([2, 2, 6]),
+            _vals(gen, 3 * 8, 5, dtype=_F32)), {}
+
+
+_MS = "MindSpeed master, docs/zh/ops/"
+_NONE = ("; returns None as the op does: the accumulation goes into grad, which the compare "
+         "does not judge (the stand-in runs matmul_add_fp32 / groupmatmul_add_fp32)")
+
 REFERENCES: tuple[Reference, ...] = (
+    Reference("mindspeed.npu_matmul_add_fp32", _returns_none, example=matmul_add_example,
+              source=f"{_MS}npu_matmul_add.md{_NONE}"),
+    Reference("mindspeed.npu_groupmatmul_add_fp32", _returns_none,
+              example=groupmatmul_add_example, source=f"{_MS}npu_groupmatmul_add.md{_NONE}"),
     Reference("npu_grouped_matmul_finalize_routing", npu_grouped_matmul_finalize_routing,
               example=finalize_routing_example,
               source=f"{_DOCS} (a8w8); CANN aclnnGroupedMatmulFinalizeRouting"),
