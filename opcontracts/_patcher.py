@@ -381,6 +381,10 @@ class Patcher:
             for name in original.overloads():
                 setattr(guard, name, getattr(original, name))
             guard.overloads = original.overloads  # type: ignore[attr-defined]
+            # torch's walks over an op namespace call this (the decomposition table that
+            # aot_eager and inductor build: "'CustomDecompTable' object is not a mapping")
+            if hasattr(original, "op_overloads"):
+                guard.op_overloads = original.op_overloads  # type: ignore[attr-defined]
             guard._qualified_op_name = original._qualified_op_name  # type: ignore[attr-defined]
             guard.__module__ = getattr(original, "__module__", None) or "torch.ops"
         return guard

@@ -467,3 +467,21 @@ def test_other_settings_are_read_or_refused_out_loud(var: str, value: str, expec
     assert text in out.stderr
     if expect_rc == 0:
         assert out.stdout.strip() == "cann None"
+
+
+def test_inductor_compiles_under_the_patch() -> None:
+    """A guarded torch.ops.npu packet lacked op_overloads(): torch's walk over the namespace
+    (inductor's decomposition table, built at its import) failed with "'CustomDecompTable'
+    object is not a mapping". A fresh process: the table is built once per process."""
+    import subprocess
+    import sys
+
+    code = ("import torch\nfrom opcontracts import emulation\nemulation.install()\n"
+            "import opcontracts.patch\n"
+            "f = torch.compile(lambda x, g: torch.ops.npu.npu_rms_norm(x, g)[0] * 2, "
+            "backend='inductor')\n"
+            "print(f(torch.randn(4, 8), torch.ones(8)).shape)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "torch.Size([4, 8])" in out.stdout

@@ -2,13 +2,13 @@
 
 Two kinds, on purpose:
 
-* ``npu_moe_token_permute``, ``npu_moe_token_unpermute`` and ``npu_swiglu`` have their own
-  backward *kernels* in torch_npu (``*_grad`` ops, ``npu_swiglu_backward``, with their own dtype
-  support). Their backward calls those ops
+* ``npu_moe_token_permute``, ``npu_moe_token_unpermute``, ``npu_swiglu`` and (in its family
+  module) ``npu_fusion_attention`` have their own backward *kernels* in torch_npu (``*_grad``
+  ops, ``npu_swiglu_backward``, with their own dtype support). Their backward calls those ops
   through ``torch.ops.npu.<name>``, looked up at call time, so a wrapper installed on that
   attribute sees backward calls, and the grad kernel's dtype profile applies (the incident).
 * The other differentiable ops (routing-map permute/unpermute, grouped matmul, rms_norm,
-  rotary_mul, fusion_attention) run the composite formula of their reference
+  rotary_mul) run the composite formula of their reference
   (``opcontracts.reference``: ``Reference.backward``) on the saved inputs. The facts table
   names no backward kernels for them, so no profile applies to their backward.
 

@@ -175,13 +175,17 @@ def _ranks_text(r: Iterable[int]) -> str:
 
 
 def _doc_for(r: Release, op: str) -> tuple[Any, str]:
-    """The op's docstring, or, for a backward op without one (``X_grad``, ``X_backward``), the
-    forward op's: the contracts of backward ops cite it, and their kernels follow it."""
+    """The op's docstring, or, for a backward op without one (``X_grad``, ``X_backward``,
+    ``X_grad_v2``), the forward op's: the contracts of backward ops cite it, and their kernels follow it."""
     doc = r.docs.get(op)
     if doc is None:
-        for suffix in ("_grad", "_backward"):
-            if op.endswith(suffix) and op[:-len(suffix)] in r.docs:
-                return r.docs[op[:-len(suffix)]], op[:-len(suffix)]
+        import re
+
+        # X_grad, X_backward, and a versioned X_grad_v2 -> X_v2
+        m = re.fullmatch(r"(.+?)_(?:grad|backward)(_v\d+)?", op)
+        fwd = m.group(1) + (m.group(2) or "") if m else None
+        if fwd is not None and fwd in r.docs:
+            return r.docs[fwd], fwd
     return doc, op
 
 
