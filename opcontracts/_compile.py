@@ -55,6 +55,9 @@ class Param:
 
     name: str
     kind: str = "POSITIONAL_OR_KEYWORD"
+    default: Any = field(default=None, compare=False)
+    """the value used when the argument is left out (``has_default``), for ``cases``"""
+    has_default: bool = field(default=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -128,6 +131,11 @@ class _Gen:
         self.deferred: list[tuple[str, int]] = []  # code lines run at the end, with indent
         self.has_values = False
         self.pnames = {p.name for p in self.params}
+        # inside a ``Case`` block: one more indent, nothing binds definitely, rules say when
+        self.base = 1
+        self.in_case = False
+        self.context = ""
+        self.case_source: str | None = None
 
     # -- helpers -----------------------------------------------------------------------
     def const(self, value: Any) -> str:
@@ -137,8 +145,10 @@ class _Gen:
 
     def rule(self, arg: str | None, kind: str, expected: str, spec: Arg | None = None,
              partner: str | None = None, detail: Any = None) -> int:
-        source = (spec.source if spec is not None and spec.source else None) or self.c.source
-        self.rules.append(Rule(self.c.op, arg, kind, expected, source, spec, partner, detail))
+        source = (spec.source if spec is not None and spec.source else None) \
+            or self.case_source or self.c.source
+        self.rules.append(Rule(self.c.op, arg, kind, expected + self.context, source, spec,
+                               partner, detail))
         return len(self.rules) - 1
 
     def emit(self, indent: int, line: str) -> None:
@@ -360,18 +370,21 @@ class _Gen:
             self.scalar(arg, spec)
             return
         if spec.optional:
-            self.emit(1, f"if {v} is not _oc_M and {v} is not None:")
-            ind, definite = 2, False
+            self.emit(self.base, f"if {v} is not _oc_M and {v} is not None:")
+            ind, definite = self.base + 1, False
         else:
             rid = self.rule(arg, "missing", "a tensor (this argument is not optional)", spec)
             touches = spec.dtype is not None or bool(spec.shape) or bool(spec.rank) \
                 or spec.contiguous or spec.tensor_list
             if not (self.fast and touches):  # the fast checker's None fails on `.dtype` & co
-                self.emit(1, f"if {v} is None: {self.fail(rid, v)}")
+                self.emit(self.base, f"if {v} is None: {self.fail(rid, v)}")
             # a required argument left out: a guard lets the original raise its own TypeError
-            # (the optimistic checker says True); the careful one, which `check()` runs, says so
-            self.emit(1, f"if {v} is _oc_M: {'return True' if self.fast else self.fail(rid, v)}")
-            ind, definite = 1, True
+            # (the optimistic checker says True); the careful one, which `check()` runs, says so.
+            # Required by a case, the kernel would not notice: the careful checker explains.
+            left_out = "return False" if self.in_case else "return True"
+            self.emit(self.base, f"if {v} is _oc_M: "
+                                 f"{left_out if self.fast else self.fail(rid, v)}")
+            ind, definite = self.base, not self.in_case
         if spec.int_list:
             self.emit(ind, f"if isinstance({v}, (list, tuple)): {v} = _oc_IL({v})")
         if spec.tensor_list:
@@ -396,24 +409,24 @@ class _Gen:
         present = f"{v} is not _oc_M and {v} is not None"
         if not spec.optional:  # None for a required scalar is a missing value, whatever its rules
             rid = self.rule(arg, "missing", "a value (this argument is not optional)", spec)
-            self.emit(1, f"if {v} is None: {self.fail(rid, v)}")
+            self.emit(self.base, f"if {v} is None: {self.fail(rid, v)}")
         if spec.allowed is not None:
             rid = self.rule(arg, "allowed", "one of " + ", ".join(map(repr, spec.allowed)), spec)
-            self.emit(1, f"if {present} and {v} not in {self.const(tuple(spec.allowed))}: "
+            self.emit(self.base, f"if {present} and {v} not in {self.const(tuple(spec.allowed))}: "
                          f"{self.fail(rid, v)}")
         bounds = [(n, getattr(spec, n)) for n in ("ge", "le", "lt") if getattr(spec, n) is not None]
         if bounds and not self.fast:
             # a value that cannot be compared with a number ("abc" against ge=1) is a violation
             # of its own; the optimistic checker's comparison raises and sends it here
             rid = self.rule(arg, "type", "a number", spec)
-            self.emit(1, f"if {present} and not isinstance({v}, {self.const(numbers.Real)}): "
+            self.emit(self.base, f"if {present} and not isinstance({v}, {self.const(numbers.Real)}): "
                          f"{self.fail(rid, v)}")
         for op_name, bound in bounds:
             op_sym = {"ge": "<", "le": ">", "lt": ">="}[op_name]
             sym = {"ge": ">=", "le": "<=", "lt": "<"}[op_name]
             rid = self.rule(arg, "bound", f"{sym} {bound}", spec, detail=(sym, bound))
             if isinstance(bound, int):
-                self.emit(1, f"if {present} and {v} {op_sym} {bound}: {self.fail(rid, v)}")
+                self.emit(self.base, f"if {present} and {v} {op_sym} {bound}: {self.fail(rid, v)}")
             else:
                 d = parse_shape(bound).dims[0]
                 py = d.py or d.text
@@ -424,6 +437,43 @@ class _Gen:
                 self.deferred.append(
                     (f"if {present} and {guard} and {v} {op_sym} {py}: "
                      f"return _oc_V({rid}, {v}, __BINDINGS__, None)", 1))
+
+    def case_code(self, case: Any) -> None:
+        """The rules of one ``Case``, under its condition (a wrapper without one of the
+        condition's parameters cannot tell, and skips the case; rules for arguments it does not
+        take are skipped, as for the contract's own optional rules)."""
+        params = {p.name: p for p in self.params}
+        if any(k not in params for k in case.if_):
+            return
+        conds = []
+        for k, vals in case.if_.items():
+            p = params[k]
+            value = f"({k} if {k} is not _oc_M else {self.const(p.default)})" if p.has_default \
+                else k
+            test = f"{value} == {self.const(vals[0])}" if len(vals) == 1 \
+                else f"{value} in {self.const(tuple(vals))}"
+            conds.append(test if p.has_default else f"{k} is not _oc_M and {test}")
+        cond = " and ".join(conds)
+        args = {n: a for n, a in case.args.items() if n in params}
+        if not args:
+            return
+        self.emit(1, f"if {cond}:")
+        before, mark, bound = len(self.lines), len(self.deferred), set(self.bound)
+        self.base, self.in_case = 2, True
+        self.context, self.case_source = f" (when {case.condition_text})", case.source
+        try:
+            for name, spec in args.items():
+                self.arg_code(name, spec)
+        finally:
+            self.base, self.in_case, self.context, self.case_source = 1, False, "", None
+            self.bound = bound
+        if len(self.lines) == before:
+            self.emit(2, "pass")
+        later = self.deferred[mark:]
+        del self.deferred[mark:]
+        if later:  # the case's end-of-function checks, under the same condition
+            self.deferred.append((f"if {cond}:", 1))
+            self.deferred.extend((line, ind + 1) for line, ind in later)
 
     # -- whole function ------------------------------------------------------------------
     def build(self) -> CompiledContract:
@@ -450,6 +500,8 @@ class _Gen:
             self.emit(1, "_oc_dev = _oc_U")
         for name, spec in c.args.items():
             self.arg_code(name, spec)
+        for case in c.cases:
+            self.case_code(case)
         init = []
         names = self.mentioned
         if names:

@@ -47,7 +47,9 @@ _FIX_ROUNDS = 16
 def _schema_params(schema: Any) -> list[Param]:
     out = []
     for a in schema.arguments:
-        out.append(Param(a.name, "KEYWORD_ONLY" if a.kwarg_only else "POSITIONAL_OR_KEYWORD"))
+        has = bool(a.has_default_value())
+        out.append(Param(a.name, "KEYWORD_ONLY" if a.kwarg_only else "POSITIONAL_OR_KEYWORD",
+                         a.default_value if has else None, has))
     return out
 
 
@@ -69,7 +71,9 @@ def params_of(fn: Any, contract: Any = None) -> list[Param] | None:
         except (TypeError, ValueError):
             sig = None
         if sig is not None:
-            params = [Param(p.name, p.kind.name) for p in sig.parameters.values()]
+            params = [Param(p.name, p.kind.name,
+                            None if p.default is p.empty else p.default, p.default is not p.empty)
+                      for p in sig.parameters.values()]
             named = {p.name for p in params if p.kind not in ("VAR_POSITIONAL", "VAR_KEYWORD")}
             varargs = any(p.kind in ("VAR_POSITIONAL", "VAR_KEYWORD") for p in params)
             if contract is None or not varargs or all(a in named for a in contract.args):

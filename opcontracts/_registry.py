@@ -231,6 +231,14 @@ def _names(shapes: tuple[str, ...]) -> set[str]:
     return {n for sh in shapes for n in parse_shape(sh).names}
 
 
+def _unique_cases(groups: Iterable[tuple[Any, ...]]) -> tuple[Any, ...]:
+    """Every contract's cases (all of them hold: the strictest reading), each once."""
+    out: list[Any] = []
+    for cases in groups:
+        out.extend(c for c in cases if c not in out)  # models compare by value, not by hash
+    return tuple(out)
+
+
 def join_sources(*sources: str | None) -> str | None:
     """Several sources as one text, each named once: a source that lists several (``a + b;
     c``) is split into its parts first, so merging merged contracts never repeats a part."""
@@ -261,6 +269,7 @@ def merge_contracts(items: list[Contract]) -> Contract:
         first.op, args, targets=targets,
         source=join_sources(*(c.source for c in items)),
         signature=first.signature, same_device=any(c.same_device for c in items),
+        cases=_unique_cases(c.cases for c in items),
         doc=first.doc, file=first.file,
     )
 

@@ -113,6 +113,10 @@ def _print_contract(c: Contract, status: str, indent: str = "  ") -> None:
     width = max((len(n) for n in c.args), default=0)
     for name, a in c.args.items():
         print(f"{indent}  {name:<{width}}  {_rules(a)}")
+    for case in c.cases:
+        print(f"{indent}  when {case.condition_text}:")
+        for name, a in case.args.items():
+            print(f"{indent}    {name:<{width}}  {_rules(a)}")
 
 
 def _env_line(env: Env) -> str:
@@ -271,6 +275,9 @@ def _list_json(ns: argparse.Namespace, env: Env,
                 "file": c.file, "source": c.source,
                 "targets": [{"target": t, "unavailable": _target_status(t)} for t in c.targets],
                 "args": {name: _arg_json(a) for name, a in c.args.items()},
+                "cases": [{"if": case.condition_text, "source": case.source,
+                           "args": {n: _arg_json(a) for n, a in case.args.items()}}
+                          for case in c.cases],
             })
         merged = _registry.resolve(op) if any(ok is not False for _, ok in verdicts) else None
         ops.append({"op": op, "contracts": items,

@@ -50,7 +50,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["Arg", "Contract", "When", "ValueRule", "DimBound", "load_contracts",
+__all__ = ["Arg", "Case", "Contract", "When", "ValueRule", "DimBound", "load_contracts",
            "contracts_from_toml", "contract_files", "RESERVED_PREFIX"]
 
 _Bound = int | str  # an integer or a shape expression over bound names ("N*K", "E")
@@ -396,6 +396,53 @@ class When(_Frozen):
         return (v,) if isinstance(v, str) else v
 
 
+class Case(_Frozen):
+    """Rules that hold only when scalar arguments have given values: the kernel's mode is chosen
+    by an argument's value (``input_layout = "TND"``, ``group_list_type = 1``)::
+
+        [[contract.cases]]
+        if = {input_layout = "TND", sparse_mode = [2, 3, 4, 6, 7, 8]}
+        source = "torch_npu 2.14.0 _op_plugin_docs.py (npu_fusion_attention)"
+        [contract.cases.args.atten_mask]
+        shape = "2048 2048"
+        optional = true
+
+    ``if`` maps argument names to a value or a list of values (any of them); an argument left
+    out counts as its default when the target's signature or schema gives one (else the case
+    does not apply).  Every rule of ``args`` then holds too, on top of the contract's own;
+    ``optional = false`` there means the case requires the argument."""
+
+    if_: dict[str, Any] = Field(alias="if")
+    args: dict[str, Arg]
+    source: str | None = None
+    doc: str | None = None
+
+    @field_validator("if_", mode="before")
+    @classmethod
+    def _cond(cls, v: Any) -> Any:
+        if not isinstance(v, Mapping) or not v:
+            raise ValueError("expected a table such as {input_layout = 'TND'}, got " + _show(v))
+        out: dict[str, Any] = {}
+        for k, val in v.items():
+            items = list(val) if isinstance(val, (list, tuple)) else [val]
+            for x in items:
+                if x is not None and not isinstance(x, (bool, int, float, str)):
+                    raise ValueError(f"if.{k}: a value or a list of values (None, booleans, "
+                                     f"numbers, strings), got {_show(x)}")
+            if not items:
+                raise ValueError(f"if.{k}: the list of values is empty")
+            out[str(k)] = tuple(items)
+        return out
+
+    @property
+    def condition_text(self) -> str:
+        parts = []
+        for k, vals in self.if_.items():
+            parts.append(f"{k} = {vals[0]!r}" if len(vals) == 1
+                         else f"{k} in ({', '.join(map(repr, vals))})")
+        return " and ".join(parts)
+
+
 class Contract(_Frozen):
     """One operator's contract.
 
@@ -413,6 +460,8 @@ class Contract(_Frozen):
     same_device: StrictBool = False
     """check that every tensor argument is on the same device (``get_device()``, ~45 ns per
     tensor: opt-in, since most kernels' own dispatch already rejects mixed devices)"""
+    cases: tuple[Case, ...] = ()
+    """rules that hold only when arguments have given values (``Case``)"""
     file: str | None = Field(default=None, repr=False)
 
     def __init__(self, op: Any = None, args: Any = None, /, **data: Any) -> None:
@@ -473,6 +522,18 @@ class Contract(_Frozen):
             missing = [a for a in self.args if a not in self.signature]
             if missing:
                 out.append(("signature", f"lacks the arguments {missing}"))
+        known = set(self.args) | set(self.signature or ())
+        for i, case in enumerate(self.cases):
+            for k in case.if_:
+                if k not in known:
+                    out.append((f"cases.{i}.if.{k}", f"names {k!r}, which is neither an argument "
+                                "of this contract nor in its signature"))
+            for name, arg in case.args.items():
+                for field in ("same_dtype_as", "same_shape_as"):
+                    partner = getattr(arg, field)
+                    if partner is not None and partner not in known | set(case.args):
+                        out.append((f"cases.{i}.args.{name}.{field}",
+                                    f"names {partner!r}, which is not an argument"))
         if out:
             raise _FieldProblems(out)
         return self

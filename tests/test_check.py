@@ -306,3 +306,37 @@ def test_dtype_if_present_allows_a_mode_chosen_by_an_optional_argument():
     assert merged.args["w"].dtype_if_present == {"scale": ("int8",)}
     with pytest.raises(opcontracts.ContractFileError, match="dtype_if_present"):
         Contract("q", {"w": Arg("bf16", dtype_if_present={"nope": ["int8"]})})
+
+
+def test_cases_hold_when_arguments_have_given_values():
+    """group_list cumulative (type 0) or counts (type 1), as grouped matmul reads it; a value
+    left out counts as the target's default; rules say when they hold."""
+    c = Contract("gl", {"x": Arg("bf16", "M K"), "group_list": Arg("int64", "G", optional=True),
+                        "group_list_type": Arg(allowed=[0, 1])},
+                 cases=[{"if": {"group_list_type": 0}, "source": "doc A",
+                         "args": {"group_list": {"optional": True,
+                                                 "values": {"nondecreasing": True, "last": "M"}}}},
+                        {"if": {"group_list_type": 1},
+                         "args": {"group_list": {"optional": True, "values": {"sum": "M"}}}},
+                        {"if": {"group_list_type": [1]}, "args": {"x": {"shape": "_ 4"}}}])
+
+    @opcontracts.enforce(c)
+    def gmm(x, group_list=None, group_list_type=0):
+        return x
+
+    x = t(6, 4)
+    prev = opcontracts.set_value_checks(True)
+    try:
+        with opcontracts.mode("strict"):
+            gmm(x, torch.tensor([2, 6]))
+            gmm(x, torch.tensor([2, 4]), 1)
+            gmm(t(6, 5), torch.tensor([2, 6]))  # the K rule is type 1's only
+        e = violation(gmm, x, torch.tensor([2, 4]))  # the default, 0: cumulative
+        assert e.arg == "group_list" and "(when group_list_type = 0)" in e.expected
+        assert e.source == "doc A"
+        assert violation(gmm, x, torch.tensor([2, 6]), 1).arg == "group_list"
+        assert violation(gmm, t(6, 5), torch.tensor([2, 4]), 1).arg == "x"
+    finally:
+        opcontracts.set_value_checks(prev)
+    with pytest.raises(opcontracts.ContractFileError, match="cases.0.if.nope"):
+        Contract("q", {"x": Arg("bf16")}, cases=[{"if": {"nope": 1}, "args": {"x": {}}}])

@@ -619,3 +619,26 @@ def test_fused_infer_compiles_through_the_fake(npu: Any) -> None:
         torch.testing.assert_close(got, f(q, k, v))
     finally:
         torch._dynamo.reset()
+
+
+def test_layout_and_sparse_mode_cases(npu: Any) -> None:
+    """What the value of sparse_mode / input_layout decides (contract cases): the known step-0
+    overflow of varlen runs, a full (T, T) causal mask with sparse_mode 3 (the kernel reads the
+    compressed 2048x2048 tile), is caught; TND needs its lengths; head_num is the query's N."""
+    q, k, v = _tnd()
+    fa = npu.npu_fusion_attention
+    lens = {"actual_seq_qlen": CUM, "actual_seq_kvlen": CUM}
+    with opcontracts.mode("strict"):
+        fa(q, k, v, N, "TND", atten_mask=_causal(2048), sparse_mode=3, **lens)
+    e = _violation(fa, q, k, v, N, "TND", atten_mask=_causal(T), sparse_mode=3, **lens)
+    assert e.arg == "atten_mask" and "when sparse_mode in (2, 3, 4, 7, 8)" in e.expected
+    assert "2048" in e.expected
+    assert _violation(fa, q, k, v, N, "TND", sparse_mode=3, **lens).arg == "atten_mask"
+    e = _violation(fa, q, k, v, N, "TND", actual_seq_kvlen=CUM)
+    assert e.arg == "actual_seq_qlen" and e.rule == "missing"
+    assert _violation(fa, q, k, v, N + 1, "TND", **lens).arg == "head_num"
+    b = (_vals(1, 4, N, D, seed=i) for i in range(3))
+    bq, bk, bv = b
+    with opcontracts.mode("strict"):
+        fa(bq, bk, bv, N, "BSND")
+    assert _violation(fa, bq, bk, bv, 2 * N, "BSND").arg == "head_num"
