@@ -670,3 +670,24 @@ def test_groupmatmul_add_fp32_values_and_the_atb_group_limit(ms: Any) -> None:
     opcontracts.set_versions(cann="8.1.RC1")  # ATB (A2/A3): at most 128 groups
     exc = _violation(ms[1].npu_groupmatmul_add_fp32, x, dy, many, torch.zeros(129 * 8, 5))
     assert (exc.arg, exc.rule) == ("grouplist", "shape") and "128" in exc.expected
+
+
+def test_group_list_follows_group_list_type(npu: Any) -> None:
+    """group_type 0: group_list is a cumsum ending at x's rows (type 0, the default) or group
+    sizes summing to them (type 1); with value checks on, the other reading is a violation."""
+    x = torch.randn(6, 4, dtype=torch.bfloat16)
+    w = torch.randn(2, 4, 3, dtype=torch.bfloat16)
+    gmm = npu.npu_grouped_matmul
+    opcontracts.set_value_checks(True)
+    try:
+        with opcontracts.mode("strict"):
+            gmm([x], [w], group_list=torch.tensor([2, 6]), split_item=2, group_type=0)
+            gmm([x], [w], group_list=torch.tensor([2, 4]), split_item=2, group_type=0,
+                group_list_type=1)
+        for kw in ({"group_list": torch.tensor([2, 4])},
+                   {"group_list": torch.tensor([2, 6]), "group_list_type": 1}):
+            with opcontracts.mode("strict"), pytest.raises(ContractViolation) as info:
+                gmm([x], [w], split_item=2, group_type=0, **kw)
+            assert info.value.arg == "group_list" and "when group_type = 0" in info.value.expected
+    finally:
+        opcontracts.set_value_checks(False)
