@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -54,3 +55,29 @@ def _registry_restored() -> Iterator[None]:
             _registry._by_op.update(before)
             _registry._shipped_loaded = loaded
             _registry.invalidate()  # guards made during the test decide anew
+
+
+@pytest.fixture
+def npu() -> Iterator[Any]:
+    """The NPU ops on the CPU: the emulation (narrow profile, torch_npu 2.13.0) and
+    ``opcontracts.patch``, both put back afterwards, with value checks off and version pins
+    dropped again; the stand-in ``torch_npu`` module."""
+    import opcontracts.patch as patch
+    from opcontracts import emulation
+
+    was = patch.is_applied()
+    patch.unpatch()
+    emulation.install()
+    patch.apply()
+    opcontracts.reset_report()
+    import torch_npu
+
+    try:
+        yield torch_npu
+    finally:
+        patch.unpatch()
+        emulation.uninstall()
+        opcontracts.set_value_checks(False)
+        opcontracts.set_versions(torch_npu=None, cann=None, mindspeed=None, soc=None)
+        if was:
+            patch.apply()

@@ -10,40 +10,16 @@ call does with what the kernel does not support (silently wrong numbers).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
 import opcontracts
-from opcontracts import ContractFixWarning, ContractViolation, emulation, patch
+from opcontracts import ContractFixWarning, ContractViolation
 from opcontracts.reference import _attention as R
 
 BF16, FP16, FP32, FP64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
-
-
-@pytest.fixture
-def npu() -> Iterator[Any]:
-    """The emulation (narrow profile) and the patch, both put back afterwards; the stand-in
-    ``torch_npu`` module.  Versions are the emulation's (torch_npu 2.13.0): every contract
-    of these ops applies."""
-    was = patch.is_applied()
-    patch.unpatch()
-    emulation.install()
-    patch.apply()
-    opcontracts.reset_report()
-    import torch_npu
-
-    try:
-        yield torch_npu
-    finally:
-        patch.unpatch()
-        emulation.uninstall()
-        opcontracts.set_value_checks(False)
-        opcontracts.set_versions(torch_npu=None, cann=None, mindspeed=None, soc=None)
-        if was:
-            patch.apply()
 
 
 def _g(seed: int = 0) -> torch.Generator:

@@ -13,39 +13,17 @@ dispatch/combine run at ep_world_size 1 (the emulation is one process).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
 import opcontracts
-from opcontracts import ContractFixWarning, ContractViolation, emulation, patch
+from opcontracts import ContractFixWarning, ContractViolation
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 I8, I32, I64 = torch.int8, torch.int32, torch.int64
 N, K, E, H = 4, 2, 4, 32  # tokens, top-k, experts, hidden (a multiple of 32 for dispatch)
-
-
-@pytest.fixture
-def npu() -> Iterator[Any]:
-    """The emulation (narrow profile, torch_npu 2.13.0: the later docstrings) and the patch,
-    both put back afterwards; the stand-in ``torch_npu`` module."""
-    was = patch.is_applied()
-    patch.unpatch()
-    emulation.install()
-    patch.apply()
-    import torch_npu
-
-    try:
-        yield torch_npu
-    finally:
-        patch.unpatch()
-        emulation.uninstall()
-        opcontracts.set_value_checks(False)
-        opcontracts.set_versions(torch_npu=None)
-        if was:
-            patch.apply()
 
 
 def _g(seed: int = 0) -> torch.Generator:

@@ -14,7 +14,6 @@ graph break.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -22,33 +21,11 @@ import torch
 import torch.nn.functional as F
 
 import opcontracts
-from opcontracts import ContractFixWarning, ContractViolation, emulation, patch
+from opcontracts import ContractFixWarning, ContractViolation
 from opcontracts.compare import ShadowCompare
 
 BF16, FP16, FP32, FP64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
 I8, I32, I64 = torch.int8, torch.int32, torch.int64
-
-
-@pytest.fixture
-def npu() -> Iterator[Any]:
-    """The emulation (narrow profile) and the patch, both put back afterwards; the stand-in
-    ``torch_npu`` module.  Versions: the emulation's torch_npu 2.13.0, the SoC unknown (every
-    chip's table applies, the strictest reading)."""
-    was = patch.is_applied()
-    patch.unpatch()
-    emulation.install()
-    patch.apply()
-    import torch_npu
-
-    try:
-        yield torch_npu
-    finally:
-        patch.unpatch()
-        emulation.uninstall()
-        opcontracts.set_value_checks(False)
-        opcontracts.set_versions(soc=None)
-        if was:
-            patch.apply()
 
 
 def _g(seed: int = 0) -> torch.Generator:
