@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
-__all__ = ["Findings", "react"]
+__all__ = ["Findings", "react", "later_lines"]
 
 E = TypeVar("E")
 
@@ -44,3 +44,19 @@ def react(policy: str, message: str, error: Callable[[], BaseException],
         warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
     elif policy == "raise":
         raise error()
+
+
+def later_lines(more: list[Any], dropped: int, shown: int = 8) -> list[str]:
+    """The findings after the first, one line each (``direction op: what [module]``), the first
+    ``shown`` of them, and how many more there were."""
+    if not more and not dropped:
+        return []
+    lines = [f"  then {len(more) + dropped} more:"]
+    for e in more[:shown]:
+        where = f" [{e.module or e.module_type}]" if e.module is not None else ""
+        lines.append(f"    {e.direction:<8} {e.op}: {e.what}{where}")
+    if len(more) > shown:
+        lines.append(f"    ... ({len(more) - shown + dropped} not shown)")
+    elif dropped:
+        lines.append(f"    ... ({dropped} not kept)")
+    return lines

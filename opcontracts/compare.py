@@ -49,7 +49,7 @@ from typing import Any, Literal
 import torch
 
 from . import _observe, reference
-from ._findings import Findings, react
+from ._findings import Findings, later_lines, react
 from ._judge import SOURCE, Thresholds, Verdict, judge
 from ._observe import Call, Direction, Observer
 
@@ -188,15 +188,7 @@ class CompareResult:
             lines += ["  " + e for e in extra]
             return "\n".join(lines)
         lines = [head, self.first.message()]
-        more = self.events[1:]
-        if more or self.dropped:
-            lines.append(f"  then {len(more) + self.dropped} more:")
-            for e in more[:8]:
-                where = f" [{e.module or e.module_type}]" if e.module is not None else ""
-                lines.append(f"    {e.direction:<8} {e.op}: {e.what}{where}")
-            if len(more) > 8 or self.dropped:
-                lines.append(f"    ... ({len(more) - 8 + self.dropped} not shown)"
-                             if len(more) > 8 else f"    ... ({self.dropped} not kept)")
+        lines += later_lines(self.events[1:], self.dropped)
         lines += ["  " + e for e in extra]
         return "\n".join(lines)
 

@@ -65,7 +65,7 @@ from torch import nn
 
 from . import _observe
 from ._callsite import CallSite
-from ._findings import Findings, react
+from ._findings import Findings, later_lines, react
 from ._modpath import clean as clean_module_path
 from ._observe import Call, Direction, Observer
 
@@ -181,16 +181,7 @@ class NanResult:
                 text += "\n" + self.received.message()
             return text
         lines = [f"NaN sentinel ({self.calls} guarded call(s) checked)", self.first.message()]
-        more = self.events[1:]
-        if more or self.dropped:
-            lines.append(f"  then {len(more) + self.dropped} more:")
-            for e in more[:8]:
-                lines.append(f"    {e.direction:<8} {e.op}: {e.what}"
-                             + (f" [{e.module or e.module_type}]" if e.module is not None
-                                else ""))
-            if len(more) > 8 or self.dropped:
-                lines.append(f"    ... ({len(more) - 8 + self.dropped} not shown)"
-                             if len(more) > 8 else f"    ... ({self.dropped} not kept)")
+        lines += later_lines(self.events[1:], self.dropped)
         return "\n".join(lines)
 
     def __str__(self) -> str:
