@@ -26,6 +26,7 @@ import opcontracts
 from opcontracts import Contract, ContractViolation, _registry, _versions
 from opcontracts._dtypes import parse_dtype
 from opcontracts._shapes import parse_shape
+from opcontracts.probe import _resolve  # the probe's own target lookup
 from opcontracts.spec import load_contracts
 
 emulation = pytest.importorskip("opcontracts.emulation")
@@ -240,32 +241,6 @@ def _ring(c: Contract) -> Call:
             stats[2], stats[3]), {}
 
 
-def _ring_reference(prev_out: torch.Tensor, prev_max: torch.Tensor, prev_sum: torch.Tensor,
-                    cur_out: torch.Tensor, cur_max: torch.Tensor, cur_sum: torch.Tensor,
-                    **_: Any) -> tuple[torch.Tensor, ...]:
-    """MindSpeed docs/ops/npu_ring_attention_update.md's forward_update, SBH layout."""
-    m = torch.maximum(prev_max, cur_max)
-    ps, cs = prev_sum * torch.exp(prev_max - m), cur_sum * torch.exp(cur_max - m)
-    total = ps + cs
-    s, b, h = prev_out.shape
-    n = prev_max.shape[1]
-
-    def spread(w: torch.Tensor) -> torch.Tensor:  # (b, n, s, 8) -> (s, b, n*d)
-        w = w[..., 0].unsqueeze(3).repeat(1, 1, 1, h // n)
-        return w.permute(2, 0, 1, 3).reshape(s, b, h)
-
-    out = prev_out.float() * spread(ps / total) + cur_out.float() * spread(cs / total)
-    return out.to(prev_out.dtype), m, total
-
-
-def _gmm_reference(group_list_type: int) -> Callable[..., torch.Tensor]:
-    def ref(x: torch.Tensor, weight: torch.Tensor, *, group_list: Any, **_: Any) -> torch.Tensor:
-        gl = group_list if isinstance(group_list, torch.Tensor) else torch.tensor(group_list)
-        return _kernels.npu_grouped_matmul([x], [weight], group_list=gl, split_item=3,
-                                           group_type=0, group_list_type=group_list_type)[0]
-    return ref
-
-
 BUILDERS: dict[str, Callable[[Contract], Call]] = {
     "npu_moe_token_permute": _permute,
     "npu_moe_token_permute_grad": _permute_grad,
@@ -308,30 +283,11 @@ for _c in SHIPPED:
     if _c.op not in BUILDERS and _ref is not None and _ref.example is not None:
         BUILDERS[_c.op] = _example(_c.op)
 
-REFERENCES: dict[str, Callable[..., Any]] = {
-    "mindspeed.npu_moe_token_unpermute": _kernels.npu_moe_token_unpermute,
-    "mindspeed.npu_moe_token_permute": _kernels.npu_moe_token_permute,
-    "mindspeed.npu_gmm": _gmm_reference(0),
-    "mindspeed.npu_gmm_v2": _gmm_reference(1),
-    "mindspeed.npu_rotary_position_embedding":
-        lambda x, cos, sin, mode=0: _kernels.npu_rotary_mul(x, cos, sin, "half"),
-    "mindspeed.npu_ring_attention_update": _ring_reference,
-}
-
-
 def _reference(op: str) -> Callable[..., Any]:
-    family = opcontracts.reference.get(op)  # issue 15's families: their reference module's
-    return REFERENCES.get(op) or getattr(_kernels, op, None) or family.forward  # type: ignore[union-attr]
-
-
-def _resolve_target(path: str) -> Any:
-    if path.startswith("torch.ops."):
-        obj: Any = torch.ops
-        for part in path.split(".")[2:]:
-            obj = getattr(obj, part)
-        return obj
-    module, _, name = path.rpartition(".")
-    return getattr(importlib.import_module(module), name)
+    """The op's one reference (``opcontracts.reference``: the emulation's kernels are the same)."""
+    ref = opcontracts.reference.get(op)
+    assert ref is not None, f"{op} has no reference"
+    return ref.forward
 
 
 def test_every_shipped_file_loads_and_every_op_has_a_case() -> None:
@@ -373,7 +329,7 @@ def test_conforming_call_passes_strict_and_matches_reference(emu: Any, contract:
     expected = _reference(contract.op)(*args, **kwargs)
     with opcontracts.mode("strict"):
         for target in contract.targets:
-            guarded = opcontracts.enforce(contract)(_resolve_target(target))
+            guarded = opcontracts.enforce(contract)(_resolve(target))
             torch.testing.assert_close(guarded(*args, **kwargs), expected, msg=target)
 
 
@@ -388,7 +344,7 @@ def test_resolved_contracts_accept_conforming_calls_by_op_name(emu: Any) -> None
                 assert all(c.when is not None and c.when.soc for c in _registry.candidates(op))
                 continue
             args, kwargs = build(resolved)
-            target = _resolve_target(resolved.targets[0])
+            target = _resolve(resolved.targets[0])
             opcontracts.enforce(op)(target)(*args, **kwargs)
 
 
