@@ -22,7 +22,7 @@ A conforming call never comes here: the hot path of a guard is untouched.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,41 +31,47 @@ __all__ = ["Key", "call_within", "outer"]
 
 Key = tuple[str, "str | None", str, str, str]  # a report record's key
 
-_tls = threading.local()
+class _State(threading.local):
+    """Per thread: the stack of violating calls running, and the one whose backward is."""
+
+    def __init__(self) -> None:
+        self.stack: list[Key] = []
+        self.bwd: tuple[Key, int] | None = None
+
+
+_tls = _State()
 
 
 def outer() -> Key | None:
     """The record of the violating call this one runs inside (forward or its backward)."""
-    st = getattr(_tls, "stack", None)
+    st = _tls.stack
     if st:
-        return st[-1]  # type: ignore[no-any-return]
-    bwd = getattr(_tls, "bwd", None)
+        return st[-1]
+    bwd = _tls.bwd
     return bwd[0] if bwd is not None else None
 
 
-def _tensors(out: Any) -> Iterator[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        yield out
-    elif isinstance(out, (list, tuple)):
-        for o in out:
-            if isinstance(o, torch.Tensor):
-                yield o
+def _nodes(out: Any) -> list[Any]:
+    """The distinct ``grad_fn`` nodes of the tensors ``out`` holds (none: a plain list)."""
+    items = (out,) if isinstance(out, torch.Tensor) else out if isinstance(out, (list, tuple)) \
+        else ()
+    nodes: list[Any] = []
+    for t in items:
+        node = t.grad_fn if isinstance(t, torch.Tensor) else None
+        if node is not None and all(node is not n for n in nodes):
+            nodes.append(node)
+    return nodes
 
 
-def _hook_backward(out: Any, key: Key) -> None:
-    seen: set[int] = set()
-    for t in _tensors(out):
-        node = t.grad_fn
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
+def _hook_backward(nodes: list[Any], key: Key) -> None:
+    for node in nodes:
         node_id = id(node)
 
         def pre(grad_outputs: Any, node_id: int = node_id) -> None:
             _tls.bwd = (key, node_id)
 
         def post(grad_inputs: Any, grad_outputs: Any, node_id: int = node_id) -> None:
-            cur = getattr(_tls, "bwd", None)
+            cur = _tls.bwd
             if cur is not None and cur[1] == node_id:
                 _tls.bwd = None
 
@@ -82,14 +88,14 @@ def call_within(key: Key | None, fn: Callable[..., Any], args: tuple[Any, ...] |
     forward and in the backward of what it returns."""
     if key is None:
         return fn(*args, **kwargs)
-    st = getattr(_tls, "stack", None)
-    if st is None:
-        st = _tls.stack = []
+    st = _tls.stack
     st.append(key)
     try:
         out = fn(*args, **kwargs)
     finally:
         st.pop()
-    if torch.is_grad_enabled():
-        _hook_backward(out, key)
+    if out is not None and torch.is_grad_enabled():
+        nodes = _nodes(out)
+        if nodes:  # only outputs in an autograd graph get hooks
+            _hook_backward(nodes, key)
     return out
