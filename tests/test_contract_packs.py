@@ -426,6 +426,10 @@ EXTRAS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "npu_all_gather_base_mm": lambda b: {
         "bias": torch.zeros(4, dtype=b["self"].dtype), "x1_scale": torch.ones(2, 1),
         "x2_scale": torch.ones(1, 4)},
+    # MindSpeed's MC2 wrappers: the shared expert's pair their examples leave out
+    **{op: lambda b: {"shared_inputs": torch.zeros(3, 8, dtype=BF16),
+                      "shared_weight": torch.zeros(8, 4, dtype=BF16)}
+       for op in ("mindspeed.all2all_grouped_matmul", "mindspeed.grouped_matmul_all2all")},
 }
 
 

@@ -216,6 +216,106 @@ def npu_groupmatmul_add_fp32(x, dy, grouplist, grad):  # type: ignore[no-untyped
         _write_back(view, _npu().npu_grouped_matmul_add(view, x, dy, grouplist))
 
 
+# --------------------------------------------------------------------------- MindSpeed's MC2
+# mindspeed/ops/grouped_matmul_mc2.py (MindSpeed master): the autograd.Functions and the
+# functions that call them, over the emulated communication fusions.  The process group is
+# whatever the caller passes: a torch.distributed group, or the reference's LoopbackGroup (one
+# process; its collectives are the emulated ops' loopback).  Built fresh for each load of the
+# module, so a guard set on one install's classes does not outlive it.
+
+
+def _grouped_matmul_mc2(module: types.ModuleType) -> list[Any]:
+    """AllToAllGroupedMatmul / GroupedMatmulAllToAll and all2all_grouped_matmul /
+    grouped_matmul_all2all, as MindSpeed writes them (the functions look the classes up in
+    ``module`` at call time, as MindSpeed's do in theirs)."""
+
+    class AllToAllGroupedMatmul(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, inputs, weights, group, send_counts, recv_counts, shared_inputs, shared_weight):  # type: ignore[no-untyped-def]
+            hcomm, ep_world_size = _gemm_ref.group_info(group)
+            group_list_tensor = send_counts.reshape(ep_world_size, -1).sum(dim=0)
+            send_counts = send_counts.tolist()
+            recv_counts = recv_counts.tolist()
+            output, shared_output, permute_output = _npu().npu_alltoallv_gmm(
+                inputs, weights, hcomm, ep_world_size, send_counts, recv_counts,
+                mm_x=shared_inputs, mm_weight=shared_weight, permute_out_flag=True)
+            ctx.save_for_backward(weights, shared_inputs, shared_weight, permute_output)
+            ctx.hcomm, ctx.ep_world_size = hcomm, ep_world_size
+            ctx.send_counts, ctx.recv_counts = send_counts, recv_counts
+            ctx.group_list_tensor = group_list_tensor
+            return output, shared_output
+
+        @staticmethod
+        def backward(ctx, *grad_output):  # type: ignore[no-untyped-def]
+            output_grad, shared_output_grad = grad_output
+            weights, shared_inputs, shared_weight, permute_output = ctx.saved_tensors
+            inputs_grad, shared_inputs_grad = _npu().npu_gmm_alltoallv(
+                output_grad, weights, ctx.hcomm, ctx.ep_world_size, ctx.recv_counts,
+                ctx.send_counts, mm_x=shared_output_grad, mm_weight=shared_weight,
+                trans_gmm_weight=True)
+            weights_grad = _npu().npu_grouped_matmul(
+                [permute_output.T], [output_grad], bias=None, group_list=ctx.group_list_tensor,
+                split_item=3, group_type=2, group_list_type=1)[0]
+            shared_weight_grad = (None if shared_inputs is None
+                                  else torch.matmul(shared_inputs.T, shared_output_grad))
+            return inputs_grad, weights_grad, None, None, None, shared_inputs_grad, shared_weight_grad
+
+    class GroupedMatmulAllToAll(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, inputs, weights, group, send_counts, recv_counts, shared_inputs, shared_weight):  # type: ignore[no-untyped-def]
+            hcomm, ep_world_size = _gemm_ref.group_info(group)
+            group_list_tensor = send_counts.reshape(ep_world_size, -1).sum(dim=0)
+            send_counts = send_counts.tolist()
+            recv_counts = recv_counts.tolist()
+            output, shared_output = _npu().npu_gmm_alltoallv(
+                inputs, weights, hcomm, ep_world_size, send_counts, recv_counts,
+                mm_x=shared_inputs, mm_weight=shared_weight)
+            ctx.save_for_backward(inputs, weights, shared_inputs, shared_weight)
+            ctx.hcomm, ctx.ep_world_size = hcomm, ep_world_size
+            ctx.send_counts, ctx.recv_counts = send_counts, recv_counts
+            ctx.group_list_tensor = group_list_tensor
+            return output, shared_output
+
+        @staticmethod
+        def backward(ctx, *grad_output):  # type: ignore[no-untyped-def]
+            output_grad, shared_output_grad = grad_output
+            inputs, weights, shared_inputs, shared_weight = ctx.saved_tensors
+            inputs_grad, shared_inputs_grad, permute_grad = _npu().npu_alltoallv_gmm(
+                output_grad, weights, ctx.hcomm, ctx.ep_world_size, ctx.recv_counts,
+                ctx.send_counts, mm_x=shared_output_grad, mm_weight=shared_weight,
+                permute_out_flag=True, trans_gmm_weight=True)
+            weights_grad = _npu().npu_grouped_matmul(
+                [inputs.T], [permute_grad], bias=None, group_list=ctx.group_list_tensor,
+                split_item=3, group_type=2, group_list_type=1)[0]
+            shared_weight_grad = (None if shared_inputs is None
+                                  else torch.matmul(shared_inputs.T, shared_output_grad))
+            return inputs_grad, weights_grad, None, None, None, shared_inputs_grad, shared_weight_grad
+
+    def all2all_grouped_matmul(inputs, weights, group, send_counts, recv_counts, shared_inputs=None, shared_weight=None):  # type: ignore[no-untyped-def]
+        output = module.AllToAllGroupedMatmul.apply(inputs, weights, group, send_counts, recv_counts, shared_inputs, shared_weight)
+        if shared_inputs is not None:
+            return output[0], output[1]  # experts output and shared experts outputs
+        return output[0]
+
+    def grouped_matmul_all2all(inputs, weights, group, send_counts, recv_counts, shared_inputs=None, shared_weight=None):  # type: ignore[no-untyped-def]
+        output = module.GroupedMatmulAllToAll.apply(inputs, weights, group, send_counts, recv_counts, shared_inputs, shared_weight)
+        if shared_inputs is not None:
+            return output[0], output[1]  # experts output and shared experts outputs
+        return output[0]
+
+    return [AllToAllGroupedMatmul, GroupedMatmulAllToAll, all2all_grouped_matmul,
+            grouped_matmul_all2all]
+
+
+def _own(module: types.ModuleType, objects: list[Any]) -> None:
+    """Put classes and functions built for ``module`` into it, named as MindSpeed names them."""
+    for obj in objects:
+        obj.__module__ = module.__name__
+        obj.__qualname__ = obj.__name__
+        setattr(module, obj.__name__, obj)
+    module.__all__ = [obj.__name__ for obj in objects]  # type: ignore[attr-defined]
+
+
 # --------------------------------------------------------------------------- module builders
 
 
@@ -289,6 +389,9 @@ class _Builders:
     def groupmatmul_add(self, module: types.ModuleType) -> None:
         _export(module, [npu_groupmatmul_add_fp32])
 
+    def grouped_matmul_mc2(self, module: types.ModuleType) -> None:
+        _own(module, _grouped_matmul_mc2(module))
+
     def table(self) -> dict[str, Callable[[types.ModuleType], None]]:
         return {
             "torch_npu": self.torch_npu,
@@ -302,6 +405,7 @@ class _Builders:
             "mindspeed.ops.npu_ring_attention_update": self.ring,
             "mindspeed.ops.npu_matmul_add": self.matmul_add,
             "mindspeed.ops.npu_groupmatmul_add": self.groupmatmul_add,
+            "mindspeed.ops.grouped_matmul_mc2": self.grouped_matmul_mc2,
             "mindspeed.core": self.mindspeed_core,
             "mindspeed.core.fusions": self.mindspeed_core,
             "mindspeed.core.fusions.fused_bias_swiglu": self.fused_bias_swiglu,

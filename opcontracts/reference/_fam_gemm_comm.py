@@ -51,7 +51,7 @@ from . import Reference
 from ._matmul import _scale_values, group_sizes, npu_grouped_matmul
 from ._util import acc_dtype, fit, safe_index
 
-__all__ = ["REFERENCES", "groupmatmul_add_fp32", "matmul_add_fp32"]
+__all__ = ["REFERENCES", "LoopbackGroup", "group_info", "groupmatmul_add_fp32", "matmul_add_fp32"]
 
 _DOCS = "torch_npu 2.14.0 _op_plugin_docs.py"
 _F32 = torch.float32
@@ -382,6 +382,81 @@ def groupmatmul_add_example(gen: torch.Generator) -> tuple[tuple[Any, ...], dict
             _vals(gen, 3 * 8, 5, dtype=_F32)), {}
 
 
+# --------------------------------------------------------------------------- MindSpeed's MC2
+class LoopbackGroup:
+    """A process group of ``size`` ranks in one process, for MindSpeed's MC2 wrappers (their
+    references, examples and the emulation's stand-ins): what the wrappers read from a
+    ``torch.distributed`` group (``ProcessGroup.size()``, ``.rank()``, ``.group_name``); the
+    collectives over it are the loopback of the module docstring."""
+
+    def __init__(self, size: int, rank: int = 0, name: str = "ep") -> None:
+        self._size, self._rank, self.group_name = size, rank, name
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def __repr__(self) -> str:
+        return f"LoopbackGroup(size={self._size}, rank={self._rank}, name={self.group_name!r})"
+
+
+def group_info(group: Any) -> tuple[str, int]:
+    """(communicator name, world size) of a process group, as MindSpeed's wrappers read them
+    (the HCCL communicator's name stands in as the group's name)."""
+    return str(getattr(group, "group_name", "") or "hcom"), int(group.size())
+
+
+def all2all_grouped_matmul(
+    inputs: torch.Tensor, weights: torch.Tensor, group: Any, send_counts: torch.Tensor,
+    recv_counts: torch.Tensor, shared_inputs: torch.Tensor | None = None,
+    shared_weight: torch.Tensor | None = None,
+) -> Any:
+    """MindSpeed's ``mindspeed.ops.grouped_matmul_mc2.all2all_grouped_matmul``: npu_alltoallv_gmm
+    with ep_world_size = the group's size, the counts as lists, the weights not transposed;
+    the experts' output, and the shared expert's as a pair when ``shared_inputs`` is given."""
+    hcom, world = group_info(group)
+    y, mm_y, _ = npu_alltoallv_gmm(inputs, weights, hcom, world, send_counts.tolist(),
+                                   recv_counts.tolist(), mm_x=shared_inputs,
+                                   mm_weight=shared_weight)
+    return (y, mm_y) if shared_inputs is not None else y
+
+
+def grouped_matmul_all2all(
+    inputs: torch.Tensor, weights: torch.Tensor, group: Any, send_counts: torch.Tensor,
+    recv_counts: torch.Tensor, shared_inputs: torch.Tensor | None = None,
+    shared_weight: torch.Tensor | None = None,
+) -> Any:
+    """MindSpeed's ``grouped_matmul_all2all``: npu_gmm_alltoallv as all2all_grouped_matmul
+    calls npu_alltoallv_gmm."""
+    hcom, world = group_info(group)
+    y, mm_y = npu_gmm_alltoallv(inputs, weights, hcom, world, send_counts.tolist(),
+                                recv_counts.tolist(), mm_x=shared_inputs, mm_weight=shared_weight)
+    return (y, mm_y) if shared_inputs is not None else y
+
+
+# counts[r * e + j] for 8 ranks, 2 local experts (what rank 0 sends to / receives from each);
+# the same both ways, so the loopback is the local part of a balanced exchange
+MC2_COUNTS = (1, 2, 0, 1, 1, 0, 2, 1) + (0,) * 8
+
+
+def all2all_grouped_matmul_example(gen: torch.Generator) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    counts = torch.tensor(MC2_COUNTS)
+    return (_vals(gen, sum(MC2_COUNTS), 8), _vals(gen, 2, 8, 4), LoopbackGroup(8), counts,
+            counts.clone()), {}
+
+
+def grouped_matmul_all2all_example(gen: torch.Generator) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    counts = torch.tensor(MC2_COUNTS)
+    return (_vals(gen, sum(MC2_COUNTS), 4), _vals(gen, 2, 4, 8), LoopbackGroup(8), counts,
+            counts.clone()), {}
+
+
+_MC2 = "MindSpeed master, mindspeed/"
+_LOOP = "; the collectives a loopback in one process (LoopbackGroup)"
+
+
 _MS = "MindSpeed master, docs/zh/ops/"
 _NONE = ("; returns None as the op does: the accumulation goes into grad, which the compare "
          "does not judge (the stand-in runs matmul_add_fp32 / groupmatmul_add_fp32)")
@@ -406,4 +481,10 @@ REFERENCES: tuple[Reference, ...] = (
                      "process)"),
     Reference("npu_grouped_matmul_add", npu_grouped_matmul_add,
               example=grouped_matmul_add_example, source=f"{_DOCS} (npu_grouped_matmul_add)"),
+    Reference("mindspeed.all2all_grouped_matmul", all2all_grouped_matmul,
+              example=all2all_grouped_matmul_example,
+              source=f"{_MC2}ops/grouped_matmul_mc2.py over npu_alltoallv_gmm{_LOOP}"),
+    Reference("mindspeed.grouped_matmul_all2all", grouped_matmul_all2all,
+              example=grouped_matmul_all2all_example,
+              source=f"{_MC2}ops/grouped_matmul_mc2.py over npu_gmm_alltoallv{_LOOP}"),
 )

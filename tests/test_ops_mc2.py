@@ -1,0 +1,207 @@
+"""MindSpeed's MC2 wrappers through ``import opcontracts.patch`` on the CPU emulation.
+
+The wrappers (contracts/mindspeed/mc2.toml) call torch_npu's communication fusions, which stay
+guarded underneath: a conforming call passes strict at both levels; a wrong call is caught at
+the wrapper, naming the wrapper's argument, and in warn mode it is one record with the inner
+ops' violations attached; what only the inner op can see (ep_world_size, read from the process
+group) is still caught there.  The process group is the reference's ``LoopbackGroup`` (one
+process; the collectives are the emulated ops' loopback).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+import opcontracts
+from opcontracts import ContractFixWarning, ContractViolation
+from opcontracts.reference import _fam_gemm_comm as ref
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+I32, I64 = torch.int32, torch.int64
+WORLD, E, H, N = 8, 2, 8, 4
+COUNTS = torch.tensor(ref.MC2_COUNTS)  # counts[r * e + j]: rank 0's exchange, both ways
+ROWS = int(COUNTS.sum())
+
+
+def _vals(*shape: int, dtype: torch.dtype = BF16, seed: int = 0) -> torch.Tensor:
+    """Multiples of 1/8 in [-2, 2]: exact in every float dtype."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randint(-16, 17, shape, generator=gen) / 8).to(dtype)
+
+
+def _violation(fn: Any, *args: Any, **kwargs: Any) -> ContractViolation:
+    with opcontracts.mode("strict"), pytest.raises(ContractViolation) as info:
+        fn(*args, **kwargs)
+    return info.value
+
+
+def _leaves(*ts: torch.Tensor) -> list[torch.Tensor]:
+    return [t.detach().clone().requires_grad_() for t in ts]
+
+
+def _grads_through_reference(fn: Any, inputs: torch.Tensor, weights: torch.Tensor,
+                             *rest: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """d(inputs), d(weights) by autograd through the reference, in fp32."""
+    x, w = _leaves(inputs.float(), weights.float())
+    out = fn(x, w, *rest)
+    out.backward(grad.float())
+    assert x.grad is not None and w.grad is not None
+    return x.grad, w.grad
+
+
+@pytest.fixture
+def mc2(npu: Any) -> Any:
+    """mindspeed.ops.grouped_matmul_mc2 (the stand-in), imported under the patch."""
+    from mindspeed.ops import grouped_matmul_mc2
+
+    return grouped_matmul_mc2
+
+
+# =========================================================================== grouped_matmul_mc2
+def test_all2all_round_trip_passes_strict_and_trains(mc2: Any) -> None:
+    """MindSpeed's FSDP dispatcher: all2all_grouped_matmul, the activation, then
+    grouped_matmul_all2all with the counts swapped; identity experts bring the tokens home.
+    Gradients equal autograd through the references."""
+    group = ref.LoopbackGroup(WORLD)
+    x = _vals(ROWS, H)
+    eye = torch.eye(H, dtype=BF16).expand(E, H, H).contiguous()
+    with opcontracts.mode("strict"):
+        there = mc2.all2all_grouped_matmul(x, eye, group, COUNTS, COUNTS.clone())
+        back = mc2.grouped_matmul_all2all(there, eye, group, COUNTS.clone(), COUNTS)
+    torch.testing.assert_close(back, x)
+    blocks = x.split(COUNTS.tolist())  # expert-major in between: expert 0 from every rank first
+    torch.testing.assert_close(there, torch.cat([blocks[r * E + j] for j in range(E)
+                                                 for r in range(WORLD)]))
+
+    w1, w2 = _vals(E, H, N, seed=1), _vals(E, N, H, seed=2)
+    gy1, gy2 = _vals(ROWS, N, seed=3), _vals(ROWS, H, seed=4)
+    for fn, w, gy in ((mc2.all2all_grouped_matmul, w1, gy1),
+                      (mc2.grouped_matmul_all2all, w2, gy2)):
+        xs, ws = _leaves(x if fn is mc2.all2all_grouped_matmul else _vals(ROWS, N, seed=5), w)
+        with opcontracts.mode("strict"):
+            y = fn(xs, ws, group, COUNTS, COUNTS.clone())
+            y.backward(gy)
+        want_x, want_w = _grads_through_reference(getattr(ref, fn.__name__), xs, ws, group,
+                                                  COUNTS, COUNTS.clone(), grad=gy)
+        assert xs.grad is not None and ws.grad is not None
+        torch.testing.assert_close(xs.grad.float(), want_x.to(BF16).float())
+        torch.testing.assert_close(ws.grad.float(), want_w.to(BF16).float())
+    assert not opcontracts.report()
+
+
+def test_all2all_shared_expert_pair_passes_strict(mc2: Any) -> None:
+    group = ref.LoopbackGroup(WORLD)
+    mm_x, mm_w = _vals(3, H, seed=1), _vals(H, 5, seed=2)
+    with opcontracts.mode("strict"):
+        y, shared = mc2.all2all_grouped_matmul(_vals(ROWS, H), _vals(E, H, N), group, COUNTS,
+                                               COUNTS, mm_x, mm_w)
+    assert y.shape == (ROWS, N)
+    torch.testing.assert_close(shared.float(), (mm_x.float() @ mm_w.float()).to(BF16).float())
+    assert not opcontracts.report()
+
+
+@pytest.mark.parametrize("fn", ["all2all_grouped_matmul", "grouped_matmul_all2all"])
+@pytest.mark.parametrize(("change", "arg", "rule"), [
+    ({"inputs": _vals(ROWS, H, dtype=FP32), "weights": _vals(E, H, N, dtype=FP32)},
+     "inputs", "dtype"),
+    ({"weights": _vals(E, H, N, dtype=FP16)}, "weights", "same_dtype"),
+    ({"weights": _vals(E, N, H)}, "weights", "shape"),  # transposed: MindSpeed passes no flag
+    ({"send_counts": COUNTS.to(I32)}, "send_counts", "dtype"),  # backward's group_list
+    ({"send_counts": COUNTS.tolist()}, "send_counts", "type"),  # .reshape / .tolist()
+    ({"recv_counts": COUNTS[:14]}, "recv_counts", "shape"),
+    ({"recv_counts": COUNTS.float()}, "recv_counts", "dtype"),
+    ({"shared_inputs": _vals(3, H, dtype=FP32), "shared_weight": _vals(H, 5)},
+     "shared_inputs", "dtype"),
+    ({"shared_inputs": _vals(3, H), "shared_weight": _vals(5, H)}, "shared_weight", "shape"),
+])
+def test_all2all_each_rule_names_its_argument(mc2: Any, fn: str, change: dict[str, Any],
+                                              arg: str, rule: str) -> None:
+    call = {"inputs": _vals(ROWS, H), "weights": _vals(E, H, N),
+            "group": ref.LoopbackGroup(WORLD), "send_counts": COUNTS, "recv_counts": COUNTS,
+            **change}
+    exc = _violation(getattr(mc2, fn), **call)
+    assert (exc.op, exc.arg, exc.rule) == (f"mindspeed.{fn}", arg, rule), str(exc)
+    assert "grouped_matmul_mc2.py" in (exc.source or "")
+
+
+def test_all2all_inner_op_still_guards_what_the_group_decides(mc2: Any) -> None:
+    """ep_world_size comes from the process group, which no rule of the wrapper reads: the
+    wrapper conforms and torch_npu's op rejects 4 ranks (the doc: 8/16/32/64)."""
+    counts = torch.tensor([1, 2, 0, 1, 1, 0, 2, 1])
+    exc = _violation(mc2.all2all_grouped_matmul, _vals(8, H), _vals(E, H, N),
+                     ref.LoopbackGroup(4), counts, counts)
+    assert (exc.op, exc.arg, exc.rule) == ("npu_alltoallv_gmm", "ep_world_size", "allowed")
+
+
+def test_all2all_wrong_call_is_one_record_with_the_inner_ops_attached(mc2: Any) -> None:
+    """fp32 tokens and weights: one record for the wrapper; torch_npu's forward op and the
+    fusion its backward runs (npu_gmm_alltoallv) are nested in it (the K-split
+    npu_grouped_matmul of the weight gradient takes fp32)."""
+    x, w = _leaves(_vals(ROWS, H, dtype=FP32), _vals(E, H, N, dtype=FP32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        y = mc2.all2all_grouped_matmul(x, w, ref.LoopbackGroup(WORLD), COUNTS, COUNTS)
+        y.sum().backward()
+    rep = opcontracts.report()
+    assert len(rep.records) == 1, rep.table()
+    top = rep.records[0]
+    assert (top.op, top.arg) == ("mindspeed.all2all_grouped_matmul", "inputs")
+    assert {n["op"] for n in top.nested} == {"npu_alltoallv_gmm", "npu_gmm_alltoallv"}
+
+
+def test_all2all_unchecked_fp32_is_garbage_and_fix_repairs_it(mc2: Any) -> None:
+    """The bf16/fp16 kernel reads fp32 bytes silently; fix casts at the wrapper and the
+    gradients reach the caller's fp32 tensors."""
+    group = ref.LoopbackGroup(WORLD)
+    x, w = _leaves(_vals(ROWS, H, dtype=FP32), _vals(E, H, N, dtype=FP32, seed=1))
+    want = ref.all2all_grouped_matmul(x.detach(), w.detach(), group, COUNTS, COUNTS)
+    with opcontracts.mode("off"):
+        unchecked = mc2.all2all_grouped_matmul(x, w, group, COUNTS, COUNTS)
+    assert not torch.allclose(unchecked.float(), want, atol=0.1)
+    with opcontracts.mode("fix"), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fixed = mc2.all2all_grouped_matmul(x, w, group, COUNTS, COUNTS)
+    assert any(issubclass(m.category, ContractFixWarning) for m in seen)
+    assert fixed.dtype == BF16
+    torch.testing.assert_close(fixed.float(), want.to(BF16).float())
+    fixed.float().sum().backward()
+    assert x.grad is not None and x.grad.dtype == FP32 and bool(x.grad.abs().sum() > 0)
+    assert w.grad is not None and w.grad.dtype == FP32
+
+
+def test_all2all_counts_values_are_opt_in(mc2: Any) -> None:
+    group = ref.LoopbackGroup(WORLD)
+    x, w = _vals(ROWS + 1, N), _vals(E, N, H)  # one row more than send_counts accounts for
+    with opcontracts.mode("strict"):
+        mc2.grouped_matmul_all2all(x, w, group, COUNTS, COUNTS)
+    opcontracts.set_value_checks(True)
+    exc = _violation(mc2.grouped_matmul_all2all, x, w, group, COUNTS, COUNTS)
+    assert (exc.arg, exc.rule) == ("send_counts", "value") and "sums to" in str(exc)
+    bad = COUNTS.clone()
+    bad[0] = -1
+    exc = _violation(mc2.all2all_grouped_matmul, _vals(ROWS, H), _vals(E, H, N), group, bad,
+                     COUNTS)
+    assert (exc.arg, exc.rule) == ("send_counts", "value")
+
+
+def test_all2all_compiles(mc2: Any) -> None:
+    group = ref.LoopbackGroup(WORLD)
+    w1, w2 = _vals(E, H, N, seed=1), _vals(E, N, H, seed=2)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        y = mc2.all2all_grouped_matmul(x, w1, group, COUNTS, COUNTS)
+        return mc2.grouped_matmul_all2all(y, w2, group, COUNTS, COUNTS)
+
+    x = _vals(ROWS, H)
+    torch._dynamo.reset()
+    try:
+        with opcontracts.mode("strict"):
+            out = torch.compile(f, backend="eager")(x)
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(out, f(x))
+    assert not opcontracts.report()
