@@ -233,13 +233,18 @@ class ProbeReport:
 
 # --------------------------------------------------------------------------- running
 def _resolve(path: str) -> Any:
+    """The callable a target path names; for an ``autograd.Function`` subclass (the patch
+    guards its ``apply``), its ``apply``."""
     if path.startswith("torch.ops."):
         obj: Any = torch.ops
         for part in path.split(".")[2:]:
             obj = getattr(obj, part)
         return obj
     module, _, name = path.rpartition(".")
-    return getattr(importlib.import_module(module), name)
+    obj = getattr(importlib.import_module(module), name)
+    if isinstance(obj, type) and issubclass(obj, torch.autograd.Function):
+        return obj.apply
+    return obj
 
 
 def _target(op: str, contract: Any) -> tuple[str, Any]:

@@ -205,3 +205,158 @@ def test_all2all_compiles(mc2: Any) -> None:
         torch._dynamo.reset()
     torch.testing.assert_close(out, f(x))
     assert not opcontracts.report()
+
+
+# =========================================================================== mc2_fuse_a2a
+TOKENS_PER_EXPERT = torch.tensor([4, 4])  # rows per local expert over every rank (COUNTS)
+SEND, RECV = ref.MC2_COUNTS, ref.MC2_COUNTS  # the dispatcher's lists (tolist())
+
+
+@pytest.fixture
+def a2a(npu: Any) -> Any:
+    """mindspeed.core.transformer.moe.moe_feature.mc2moe.mc2_fuse_a2a (the stand-in)."""
+    from mindspeed.core.transformer.moe.moe_feature.mc2moe import mc2_fuse_a2a
+
+    return mc2_fuse_a2a
+
+
+def _experts_call(a2a: Any, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                  group: Any) -> torch.Tensor:
+    """GmmExpertsMC2Impl.forward (experts.py): both GEMMs with (None, None, None) for the
+    shared expert, an activation in between."""
+    mm1_out, _ = a2a.AlltoallvPermuteGmm.apply(x, w1, group, TOKENS_PER_EXPERT, None, None,
+                                               None, SEND, RECV)
+    inter = torch.nn.functional.silu(mm1_out)
+    up_out, _ = a2a.GmmUnpermuteAlltoallv.apply(inter, w2, group, TOKENS_PER_EXPERT, None,
+                                                None, None, SEND, RECV)
+    return up_out
+
+
+def test_fuse_a2a_experts_pass_strict_and_train_as_the_references(a2a: Any) -> None:
+    group = ref.LoopbackGroup(WORLD)
+    x, w1, w2 = _leaves(_vals(ROWS, H), _vals(E, H, N, seed=1), _vals(E, N, H, seed=2))
+    grad = _vals(ROWS, H, seed=3)
+    with opcontracts.mode("strict"):
+        y = _experts_call(a2a, x, w1, w2, group)
+        y.backward(grad)
+    assert not opcontracts.report()
+    # the same through the references, in fp32
+    rx, rw1, rw2 = _leaves(x.float(), w1.float(), w2.float())
+    mid, _ = ref.alltoallv_permute_gmm(rx, rw1, group, TOKENS_PER_EXPERT, None, None, None,
+                                       SEND, RECV)
+    want, _ = ref.gmm_unpermute_alltoallv(torch.nn.functional.silu(mid), rw2, group,
+                                          TOKENS_PER_EXPERT, None, None, None, SEND, RECV)
+    want.backward(grad.float())
+    torch.testing.assert_close(y.float(), want.detach(), atol=0.05, rtol=0.02)
+    for got, exp in ((x, rx), (w1, rw1), (w2, rw2)):
+        assert got.grad is not None and exp.grad is not None
+        torch.testing.assert_close(got.grad.float(), exp.grad, atol=0.05, rtol=0.02)
+
+
+def test_fuse_a2a_identity_experts_bring_the_tokens_home(a2a: Any) -> None:
+    group = ref.LoopbackGroup(WORLD)
+    x = _vals(ROWS, H)
+    eye = torch.eye(H, dtype=BF16).expand(E, H, H).contiguous()
+    with opcontracts.mode("strict"):
+        mid, none = a2a.AlltoallvPermuteGmm.apply(x, eye, group, TOKENS_PER_EXPERT, None, None,
+                                                  None, SEND, RECV)
+        back, _ = a2a.GmmUnpermuteAlltoallv.apply(mid, eye, group, TOKENS_PER_EXPERT, None,
+                                                  None, None, SEND, RECV)
+    assert none is None
+    torch.testing.assert_close(back, x)
+
+
+def _a2a_call(op: str, **change: Any) -> dict[str, Any]:
+    first = op == "AlltoallvPermuteGmm"
+    x, w = ("gmm1_inputs", "weight1") if first else ("gmm2_inputs", "weight2")
+    call = {x: _vals(ROWS, H if first else N), w: _vals(E, H, N) if first else _vals(E, N, H),
+            "ep_group": ref.LoopbackGroup(WORLD), "group_list": TOKENS_PER_EXPERT,
+            "share_cached_fc1_input" if first else "share_cached_fc2_input": None,
+            "share_expert_weight1" if first else "share_expert_weight2": None,
+            "use_shared_experts": None, "send_counts": SEND, "recv_counts": RECV}
+    for k, v in change.items():
+        call[k.replace("X", x).replace("W", w).replace("#", "1" if first else "2")] = v
+    return call
+
+
+@pytest.mark.parametrize("op", ["AlltoallvPermuteGmm", "GmmUnpermuteAlltoallv"])
+@pytest.mark.parametrize(("change", "arg", "rule"), [
+    ({"X": _vals(ROWS, 8, dtype=FP32), "W": _vals(E, 8, 8, dtype=FP32)}, "X", "dtype"),
+    ({"W": _vals(E, 8, 8, dtype=FP16)}, "W", "same_dtype"),
+    ({"W": _vals(E, 5, 8)}, "W", "shape"),  # the tokens' axis: no transpose flag is passed
+    ({"group_list": TOKENS_PER_EXPERT.to(I32)}, "group_list", "dtype"),
+    ({"group_list": torch.tensor([4, 4, 0])}, "group_list", "shape"),  # one per local expert
+    ({"send_counts": None}, "send_counts", "missing"),  # MindSpeed's AssertionError
+    ({"recv_counts": list(RECV[:14])}, "recv_counts", "shape"),
+    ({"use_shared_experts": True}, "share_cached_fc#_input", "missing"),  # the case
+    ({"use_shared_experts": True, "share_cached_fc#_input": _vals(3, 8, dtype=FP32),
+      "share_expert_weight#": _vals(8, 5)}, "share_cached_fc#_input", "dtype"),
+])
+def test_fuse_a2a_each_rule_names_its_argument(a2a: Any, op: str, change: dict[str, Any],
+                                               arg: str, rule: str) -> None:
+    call = _a2a_call(op, **change)
+    first = op == "AlltoallvPermuteGmm"
+    want = arg.replace("#", "1" if first else "2")
+    if want in ("X", "W"):
+        want = {"X": "gmm1_inputs" if first else "gmm2_inputs",
+                "W": "weight1" if first else "weight2"}[want]
+    exc = _violation(getattr(a2a, op).apply, **call)
+    assert (exc.op, exc.arg, exc.rule) == (f"mindspeed.{op}", want, rule), str(exc)
+
+
+def test_fuse_a2a_shared_expert_pair_only_matters_with_use_shared_experts(a2a: Any) -> None:
+    junk = torch.zeros(2, dtype=torch.int8)  # ignored by MindSpeed without the flag
+    with opcontracts.mode("strict"):
+        a2a.AlltoallvPermuteGmm.apply(_vals(ROWS, H), _vals(E, H, N), ref.LoopbackGroup(WORLD),
+                                      TOKENS_PER_EXPERT, junk, junk, False, SEND, RECV)
+        _, shared = a2a.AlltoallvPermuteGmm.apply(
+            _vals(ROWS, H), _vals(E, H, N), ref.LoopbackGroup(WORLD), TOKENS_PER_EXPERT,
+            _vals(3, H, seed=1), _vals(H, 5, seed=2), True, SEND, RECV)
+    assert shared is not None and shared.shape == (3, 5)
+    assert not opcontracts.report()
+
+
+def test_fuse_a2a_group_list_values_are_opt_in(a2a: Any) -> None:
+    call = _a2a_call("GmmUnpermuteAlltoallv", group_list=torch.tensor([4, 5]))  # 9 rows, 8 given
+    with opcontracts.mode("strict"):
+        a2a.GmmUnpermuteAlltoallv.apply(*call.values())
+    opcontracts.set_value_checks(True)
+    exc = _violation(a2a.GmmUnpermuteAlltoallv.apply, *call.values())
+    assert (exc.arg, exc.rule) == ("group_list", "value") and "sums to 9" in str(exc)
+    call = _a2a_call("AlltoallvPermuteGmm", send_counts=[-1, *SEND[1:]])
+    exc = _violation(a2a.AlltoallvPermuteGmm.apply, *call.values())
+    assert (exc.arg, exc.rule) == ("send_counts", "value")
+
+
+def test_fuse_a2a_inner_op_guards_the_group_size(a2a: Any) -> None:
+    call = _a2a_call("AlltoallvPermuteGmm", ep_group=ref.LoopbackGroup(16))  # S // E is 8
+    exc = _violation(a2a.AlltoallvPermuteGmm.apply, *call.values())
+    assert (exc.op, exc.arg, exc.rule) == ("npu_alltoallv_gmm", "ep_world_size", "bound")
+
+
+def test_fuse_a2a_wrong_call_is_one_record_and_fix_repairs_it(a2a: Any) -> None:
+    group = ref.LoopbackGroup(WORLD)
+    x, w1, w2 = _leaves(_vals(ROWS, H, dtype=FP32), _vals(E, H, N, dtype=FP32, seed=1),
+                        _vals(E, N, H, dtype=FP32, seed=2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mid, _ = a2a.AlltoallvPermuteGmm.apply(x, w1, group, TOKENS_PER_EXPERT, None, None,
+                                               None, SEND, RECV)
+        mid.sum().backward()
+    rep = opcontracts.report()
+    assert len(rep.records) == 1, rep.table()
+    top = rep.records[0]
+    assert (top.op, top.arg) == ("mindspeed.AlltoallvPermuteGmm", "gmm1_inputs")
+    assert {n["op"] for n in top.nested} == {"npu_alltoallv_gmm", "npu_gmm_alltoallv"}
+
+    x.grad = w1.grad = None
+    opcontracts.reset_report()
+    with opcontracts.mode("fix"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        y = _experts_call(a2a, x, w1, w2, group)
+    assert y.dtype == BF16
+    y.float().sum().backward()
+    for t in (x, w1, w2):
+        assert t.grad is not None and t.grad.dtype == FP32 and bool(t.grad.abs().sum() > 0)
+    assert {r.op for r in opcontracts.report().records} == {
+        "mindspeed.AlltoallvPermuteGmm", "mindspeed.GmmUnpermuteAlltoallv"}

@@ -32,7 +32,11 @@ __all__ = ["MARKER", "MODULE_NAMES", "StandinFinder", "is_standin"]
 
 MARKER = "__opcontracts_emulation__"
 
-_PACKAGES = ("torch_npu", "mindspeed", "mindspeed.ops", "mindspeed.core", "mindspeed.core.fusions")
+_MC2_PACKAGES = ("mindspeed.core.transformer", "mindspeed.core.transformer.moe",
+                 "mindspeed.core.transformer.moe.moe_feature",
+                 "mindspeed.core.transformer.moe.moe_feature.mc2moe")
+_PACKAGES = ("torch_npu", "mindspeed", "mindspeed.ops", "mindspeed.core", "mindspeed.core.fusions",
+             *_MC2_PACKAGES)
 
 
 def is_standin(module: object) -> bool:
@@ -307,6 +311,108 @@ def _grouped_matmul_mc2(module: types.ModuleType) -> list[Any]:
             grouped_matmul_all2all]
 
 
+def _mc2_fuse_a2a() -> list[Any]:
+    """AlltoallvPermuteGmm / GmmUnpermuteAlltoallv of
+    mindspeed/core/transformer/moe/moe_feature/mc2moe/mc2_fuse_a2a.py (Megatron MoE with
+    --moe-alltoall-mc2), as MindSpeed writes them; ``rearrange(w, 'n h f -> n f h')`` is the
+    transpose it is."""
+
+    class AlltoallvPermuteGmm(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, gmm1_inputs, weight1, ep_group, group_list, share_cached_fc1_input, share_expert_weight1, use_shared_experts=False, send_counts=None, recv_counts=None):  # type: ignore[no-untyped-def]
+            if send_counts is None or recv_counts is None:
+                raise AssertionError('Please check your comm input!!!')
+            if use_shared_experts:
+                mm_x = share_cached_fc1_input
+            else:
+                mm_x = None
+                share_expert_weight1 = None
+            hcom_info, ep_world_size = _gemm_ref.group_info(ep_group)
+            mm1_out, shared_expert_mm1_out, permute2_out = _npu().npu_alltoallv_gmm(
+                gmm_x=gmm1_inputs, gmm_weight=weight1, hcom=hcom_info,
+                ep_world_size=ep_world_size, send_counts=send_counts, recv_counts=recv_counts,
+                send_counts_tensor=None, recv_counts_tensor=None, mm_x=mm_x,
+                mm_weight=share_expert_weight1, trans_gmm_weight=False, trans_mm_weight=False,
+                permute_out_flag=True)
+            ctx.save_for_backward(weight1, permute2_out, gmm1_inputs, share_expert_weight1)
+            ctx.use_shared_experts = use_shared_experts
+            ctx.group_list = group_list
+            ctx.send_counts, ctx.recv_counts = send_counts, recv_counts
+            ctx.ep_world_size, ctx.hcom_info = ep_world_size, hcom_info
+            return mm1_out, shared_expert_mm1_out
+
+        @staticmethod
+        def backward(ctx, mm1_out_grad, shared_expert_mm1_out_grad):  # type: ignore[no-untyped-def]
+            weight1, permute2_out, gmm1_inputs, share_expert_weight1 = ctx.saved_tensors
+            weight1 = weight1.transpose(1, 2)  # rearrange(weight1, 'n h f -> n f h')
+            gmm1_inputs_grad, shared_expert_fc1_inputs_grad = _npu().npu_gmm_alltoallv(
+                gmm_x=mm1_out_grad, gmm_weight=weight1, hcom=ctx.hcom_info,
+                ep_world_size=ctx.ep_world_size, send_counts=ctx.recv_counts,
+                recv_counts=ctx.send_counts, send_counts_tensor=None, recv_counts_tensor=None,
+                mm_x=shared_expert_mm1_out_grad, mm_weight=share_expert_weight1,
+                trans_gmm_weight=False, trans_mm_weight=False)
+            weight1_grad = _npu().npu_grouped_matmul(
+                [permute2_out.T], [mm1_out_grad], bias=None, group_list=ctx.group_list,
+                split_item=3, group_type=2, group_list_type=1)[0]
+            shared_expert_weight1_grad = None
+            if ctx.use_shared_experts:
+                shared_expert_weight1_grad = _npu().npu_grouped_matmul(
+                    [gmm1_inputs.T], [shared_expert_mm1_out_grad], bias=None,
+                    group_list=ctx.group_list, split_item=3, group_type=2,
+                    group_list_type=1)[0]
+            return (gmm1_inputs_grad, weight1_grad, None, None, shared_expert_fc1_inputs_grad,
+                    shared_expert_weight1_grad, None, None, None)
+
+    class GmmUnpermuteAlltoallv(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, gmm2_inputs, weight2, ep_group, group_list, share_cached_fc2_input, share_expert_weight2, use_shared_experts=False, send_counts=None, recv_counts=None):  # type: ignore[no-untyped-def]
+            if send_counts is None or recv_counts is None:
+                raise AssertionError('Please check your comm input!!!')
+            if use_shared_experts:
+                mm_x = share_cached_fc2_input
+            else:
+                mm_x = None
+                share_expert_weight2 = None
+            hcom_info, ep_world_size = _gemm_ref.group_info(ep_group)
+            alltoall_out, shared_expert_mm2_out = _npu().npu_gmm_alltoallv(
+                gmm_x=gmm2_inputs, gmm_weight=weight2, hcom=hcom_info,
+                ep_world_size=ep_world_size, send_counts=recv_counts, recv_counts=send_counts,
+                send_counts_tensor=None, recv_counts_tensor=None, mm_x=mm_x,
+                mm_weight=share_expert_weight2, trans_gmm_weight=False, trans_mm_weight=False)
+            ctx.save_for_backward(gmm2_inputs, weight2, share_expert_weight2)
+            ctx.use_shared_experts = use_shared_experts
+            ctx.group_list = group_list
+            ctx.send_counts, ctx.recv_counts = send_counts, recv_counts
+            ctx.ep_world_size, ctx.hcom_info = ep_world_size, hcom_info
+            return alltoall_out, shared_expert_mm2_out
+
+        @staticmethod
+        def backward(ctx, alltoall_result_grad, shared_expert_mm2_out_grad):  # type: ignore[no-untyped-def]
+            gmm2_inputs, weight2, share_expert_weight2 = ctx.saved_tensors
+            weight2 = weight2.transpose(1, 2)  # rearrange(weight2, 'n h f -> n f h')
+            gmm2_input_grad, shared_expert_fc2_input_grad, unpermute1_input_grad = \
+                _npu().npu_alltoallv_gmm(
+                    gmm_x=alltoall_result_grad, gmm_weight=weight2, hcom=ctx.hcom_info,
+                    ep_world_size=ctx.ep_world_size, send_counts=ctx.send_counts,
+                    recv_counts=ctx.recv_counts, send_counts_tensor=None,
+                    recv_counts_tensor=None, mm_x=shared_expert_mm2_out_grad,
+                    mm_weight=share_expert_weight2, trans_gmm_weight=False,
+                    trans_mm_weight=False, permute_out_flag=True)
+            weight2_grad = _npu().npu_grouped_matmul(
+                [gmm2_inputs.T], [unpermute1_input_grad], bias=None, group_list=ctx.group_list,
+                split_item=3, group_type=2, group_list_type=1)[0]
+            shared_expert_weight2_grad = None
+            if ctx.use_shared_experts:
+                shared_expert_weight2_grad = _npu().npu_grouped_matmul(
+                    [gmm2_inputs.T], [shared_expert_mm2_out_grad], bias=None,
+                    group_list=ctx.group_list, split_item=3, group_type=2,
+                    group_list_type=1)[0]
+            return (gmm2_input_grad, weight2_grad, None, None, shared_expert_fc2_input_grad,
+                    shared_expert_weight2_grad, None, None, None)
+
+    return [AlltoallvPermuteGmm, GmmUnpermuteAlltoallv]
+
+
 def _own(module: types.ModuleType, objects: list[Any]) -> None:
     """Put classes and functions built for ``module`` into it, named as MindSpeed names them."""
     for obj in objects:
@@ -392,6 +498,13 @@ class _Builders:
     def grouped_matmul_mc2(self, module: types.ModuleType) -> None:
         _own(module, _grouped_matmul_mc2(module))
 
+    def mc2_fuse_a2a(self, module: types.ModuleType) -> None:
+        _own(module, _mc2_fuse_a2a())
+
+    def package(self, module: types.ModuleType) -> None:
+        module.__doc__ = (f"opcontracts emulation of {module.__name__} (only the modules "
+                          "below it that the stand-ins emulate).")
+
     def table(self) -> dict[str, Callable[[types.ModuleType], None]]:
         return {
             "torch_npu": self.torch_npu,
@@ -409,6 +522,8 @@ class _Builders:
             "mindspeed.core": self.mindspeed_core,
             "mindspeed.core.fusions": self.mindspeed_core,
             "mindspeed.core.fusions.fused_bias_swiglu": self.fused_bias_swiglu,
+            **{name: self.package for name in _MC2_PACKAGES},
+            "mindspeed.core.transformer.moe.moe_feature.mc2moe.mc2_fuse_a2a": self.mc2_fuse_a2a,
         }
 
 

@@ -453,6 +453,57 @@ def grouped_matmul_all2all_example(gen: torch.Generator) -> tuple[tuple[Any, ...
             counts.clone()), {}
 
 
+def _int_list(counts: Any) -> list[int]:
+    return counts.tolist() if isinstance(counts, torch.Tensor) else [int(c) for c in counts]
+
+
+def alltoallv_permute_gmm(
+    gmm1_inputs: torch.Tensor, weight1: torch.Tensor, ep_group: Any, group_list: Any,
+    share_cached_fc1_input: torch.Tensor | None, share_expert_weight1: torch.Tensor | None,
+    use_shared_experts: bool | None = False, send_counts: Any = None, recv_counts: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """MindSpeed's ``mc2_fuse_a2a.AlltoallvPermuteGmm``: npu_alltoallv_gmm (no transposes),
+    the shared expert's pair only with ``use_shared_experts``; (experts' output, shared
+    expert's output or None)."""
+    hcom, world = group_info(ep_group)
+    mm_x, mm_w = ((share_cached_fc1_input, share_expert_weight1) if use_shared_experts
+                  else (None, None))
+    y, mm_y, _ = npu_alltoallv_gmm(gmm1_inputs, weight1, hcom, world, _int_list(send_counts),
+                                   _int_list(recv_counts), mm_x=mm_x, mm_weight=mm_w)
+    return y, mm_y
+
+
+def gmm_unpermute_alltoallv(
+    gmm2_inputs: torch.Tensor, weight2: torch.Tensor, ep_group: Any, group_list: Any,
+    share_cached_fc2_input: torch.Tensor | None, share_expert_weight2: torch.Tensor | None,
+    use_shared_experts: bool | None = False, send_counts: Any = None, recv_counts: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """MindSpeed's ``mc2_fuse_a2a.GmmUnpermuteAlltoallv``: npu_gmm_alltoallv with the counts
+    swapped (it sends recv_counts and receives send_counts)."""
+    hcom, world = group_info(ep_group)
+    mm_x, mm_w = ((share_cached_fc2_input, share_expert_weight2) if use_shared_experts
+                  else (None, None))
+    y, mm_y = npu_gmm_alltoallv(gmm2_inputs, weight2, hcom, world, _int_list(recv_counts),
+                                _int_list(send_counts), mm_x=mm_x, mm_weight=mm_w)
+    return y, mm_y
+
+
+def _tokens_per_expert(e: int = 2) -> torch.Tensor:
+    """The rows each local expert gets from every rank (Megatron's tokens_per_expert)."""
+    return torch.tensor(_counts_per_expert(MC2_COUNTS, len(MC2_COUNTS) // e, e))
+
+
+def alltoallv_permute_gmm_example(gen: torch.Generator) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    # as experts.py calls it: no shared expert (None, None, None), the dispatcher's lists
+    return (_vals(gen, sum(MC2_COUNTS), 8), _vals(gen, 2, 8, 4), LoopbackGroup(8),
+            _tokens_per_expert(), None, None, None, list(MC2_COUNTS), list(MC2_COUNTS)), {}
+
+
+def gmm_unpermute_alltoallv_example(gen: torch.Generator) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    return (_vals(gen, sum(MC2_COUNTS), 4), _vals(gen, 2, 4, 8), LoopbackGroup(8),
+            _tokens_per_expert(), None, None, None, list(MC2_COUNTS), list(MC2_COUNTS)), {}
+
+
 _MC2 = "MindSpeed master, mindspeed/"
 _LOOP = "; the collectives a loopback in one process (LoopbackGroup)"
 
@@ -487,4 +538,12 @@ REFERENCES: tuple[Reference, ...] = (
     Reference("mindspeed.grouped_matmul_all2all", grouped_matmul_all2all,
               example=grouped_matmul_all2all_example,
               source=f"{_MC2}ops/grouped_matmul_mc2.py over npu_gmm_alltoallv{_LOOP}"),
+    Reference("mindspeed.AlltoallvPermuteGmm", alltoallv_permute_gmm,
+              example=alltoallv_permute_gmm_example,
+              source=f"{_MC2}core/transformer/moe/moe_feature/mc2moe/mc2_fuse_a2a.py over "
+                     f"npu_alltoallv_gmm{_LOOP}"),
+    Reference("mindspeed.GmmUnpermuteAlltoallv", gmm_unpermute_alltoallv,
+              example=gmm_unpermute_alltoallv_example,
+              source=f"{_MC2}core/transformer/moe/moe_feature/mc2moe/mc2_fuse_a2a.py over "
+                     f"npu_gmm_alltoallv{_LOOP}"),
 )
