@@ -360,3 +360,108 @@ def test_fuse_a2a_wrong_call_is_one_record_and_fix_repairs_it(a2a: Any) -> None:
         assert t.grad is not None and t.grad.dtype == FP32 and bool(t.grad.abs().sum() > 0)
     assert {r.op for r in opcontracts.report().records} == {
         "mindspeed.AlltoallvPermuteGmm", "mindspeed.GmmUnpermuteAlltoallv"}
+
+
+# =========================================================================== MC2 linear
+K_IN, N_OUT, TP = 256, 4, 2
+
+
+@pytest.fixture
+def lf(npu: Any) -> Any:
+    """mindspeed.core.tensor_parallel.mc2_feature.linear_function (the stand-in)."""
+    from mindspeed.core.tensor_parallel.mc2_feature import linear_function
+
+    return linear_function
+
+
+def _linear_args(dtype: torch.dtype = BF16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (_vals(2, 1, K_IN, dtype=dtype) / 4, _vals(N_OUT, K_IN, dtype=dtype, seed=1) / 4,
+            _vals(N_OUT, dtype=dtype, seed=2))
+
+
+def test_column_linear_passes_strict_and_trains_as_the_reference(lf: Any) -> None:
+    """MC2ColumnParallelLinear's call: (input, weight, bias, group, True, fusion).  The output
+    is the all-gathered sequence times weight.t() plus the bias; gradients equal autograd
+    through the reference (the reduce-scatter is the loopback gather's adjoint)."""
+    group = ref.LoopbackGroup(TP, name="tp")
+    x, w, b = _leaves(*_linear_args())
+    grad = _vals(2 * TP, 1, N_OUT, seed=3)
+    with opcontracts.mode("strict"):
+        y = lf.ColumnSeqParallelLinearFunction.apply(x, w, b, group, True, False)
+        y.backward(grad)
+    assert not opcontracts.report()
+    gathered = torch.cat([x.detach().float()] * TP).reshape(-1, K_IN)
+    want = (gathered @ w.detach().float().T + b.detach().float()).view(2 * TP, 1, N_OUT)
+    torch.testing.assert_close(y.float(), want, atol=0.02, rtol=0.01)
+    rx, rw, rb = _leaves(x.float(), w.float(), b.float())
+    ref.column_seq_parallel_linear(rx, rw, rb, group, True, False).backward(grad.float())
+    for got, exp in ((x, rx), (w, rw), (b, rb)):
+        assert got.grad is not None and exp.grad is not None
+        torch.testing.assert_close(got.grad.float(), exp.grad, atol=0.05, rtol=0.02)
+
+
+def test_column_linear_gradient_accumulation_fusion_runs_the_guarded_matmul_add(lf: Any) -> None:
+    """With gradient_accumulation_fusion and an fp32 main_grad the backward accumulates through
+    mindspeed.ops.npu_matmul_add.npu_matmul_add_fp32 (guarded by its own contract)."""
+    group = ref.LoopbackGroup(TP, name="tp")
+    x, w, _ = _leaves(*_linear_args())
+    w.main_grad = torch.zeros(N_OUT, K_IN)  # type: ignore[attr-defined]
+    grad = _vals(2 * TP, 1, N_OUT, seed=3)
+    with opcontracts.mode("strict"):
+        y = lf.ColumnSeqParallelLinearFunction.apply(x, w, None, group, True, True)
+        y.backward(grad)
+    assert w.grad is None  # the gradient went into main_grad
+    gathered = torch.cat([x.detach().float()] * TP).reshape(-1, K_IN)
+    want = grad.float().reshape(-1, N_OUT).T @ gathered
+    torch.testing.assert_close(w.main_grad, want)  # type: ignore[attr-defined]
+    assert not opcontracts.report()
+
+
+@pytest.mark.parametrize(("change", "arg", "rule"), [
+    ({"input_": _vals(2, 1, K_IN, dtype=FP32), "weight": _vals(N_OUT, K_IN, dtype=FP32)},
+     "input_", "dtype"),
+    ({"weight": _vals(N_OUT, K_IN, dtype=FP16)}, "weight", "same_dtype"),
+    ({"input_": _vals(2, K_IN)}, "input_", "rank"),  # (s, b, h): MindSpeed reads 3 axes
+    ({"input_": _vals(2, 1, 128), "weight": _vals(N_OUT, 128)}, "input_", "shape"),  # k >= 256
+    ({"weight": _vals(K_IN, N_OUT)}, "weight", "shape"),  # (n, k): it passes weight.t()
+    ({"bias": _vals(N_OUT + 1)}, "bias", "shape"),
+])
+def test_column_linear_each_rule_names_its_argument(lf: Any, change: dict[str, Any], arg: str,
+                                                    rule: str) -> None:
+    x, w, b = _linear_args()
+    call = {"input_": x, "weight": w, "bias": b, "group": ref.LoopbackGroup(TP, name="tp"),
+            "all_gather_recomputation": True, "gradient_accumulation_fusion": False, **change}
+    exc = _violation(lf.ColumnSeqParallelLinearFunction.apply, *call.values())
+    assert (exc.op, exc.arg, exc.rule) == ("mindspeed.ColumnSeqParallelLinearFunction", arg,
+                                           rule), str(exc)
+
+
+def test_column_linear_inner_op_guards_the_world_size(lf: Any) -> None:
+    x, w, b = _linear_args()
+    exc = _violation(lf.ColumnSeqParallelLinearFunction.apply, x, w, b,
+                     ref.LoopbackGroup(3, name="tp"), True, False)
+    assert (exc.op, exc.arg, exc.rule) == ("npu_all_gather_base_mm", "world_size", "allowed")
+
+
+def test_column_linear_wrong_call_is_one_record_and_fix_repairs_it(lf: Any) -> None:
+    group = ref.LoopbackGroup(TP, name="tp")
+    x, w, b = _leaves(*_linear_args(FP32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lf.ColumnSeqParallelLinearFunction.apply(x, w, b, group, True, False).sum().backward()
+    rep = opcontracts.report()
+    assert len(rep.records) == 1, rep.table()
+    top = rep.records[0]
+    assert (top.op, top.arg) == ("mindspeed.ColumnSeqParallelLinearFunction", "input_")
+    assert {n["op"] for n in top.nested} == {"npu_all_gather_base_mm"}
+
+    x.grad = w.grad = None
+    b = b.detach().to(BF16)  # the bias has no rule (added after the kernel): the model's dtype
+    with opcontracts.mode("fix"), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        y = lf.ColumnSeqParallelLinearFunction.apply(x, w, b, group, True, False)
+    assert any(issubclass(m.category, ContractFixWarning) for m in seen)
+    assert y.dtype == BF16
+    y.float().sum().backward()
+    for t in (x, w):
+        assert t.grad is not None and t.grad.dtype == FP32 and bool(t.grad.abs().sum() > 0)

@@ -34,7 +34,8 @@ MARKER = "__opcontracts_emulation__"
 
 _MC2_PACKAGES = ("mindspeed.core.transformer", "mindspeed.core.transformer.moe",
                  "mindspeed.core.transformer.moe.moe_feature",
-                 "mindspeed.core.transformer.moe.moe_feature.mc2moe")
+                 "mindspeed.core.transformer.moe.moe_feature.mc2moe",
+                 "mindspeed.core.tensor_parallel", "mindspeed.core.tensor_parallel.mc2_feature")
 _PACKAGES = ("torch_npu", "mindspeed", "mindspeed.ops", "mindspeed.core", "mindspeed.core.fusions",
              *_MC2_PACKAGES)
 
@@ -413,6 +414,92 @@ def _mc2_fuse_a2a() -> list[Any]:
     return [AlltoallvPermuteGmm, GmmUnpermuteAlltoallv]
 
 
+def _loopback_all_gather(x: torch.Tensor, world_size: int) -> torch.Tensor:
+    """``torch.distributed._all_gather_base`` over a loopback group: every rank holds this
+    rank's shard (the emulated npu_all_gather_base_mm gathers the same way)."""
+    return torch.cat([x] * world_size, 0)
+
+
+def _loopback_reduce_scatter(x: torch.Tensor, world_size: int) -> torch.Tensor:
+    """``torch.distributed._reduce_scatter_base`` over a loopback group: the adjoint of the
+    loopback all-gather, the sum of the ``world_size`` chunks of dim 0 (what autograd through
+    the gather gives, so the references' gradients and these agree)."""
+    return torch.stack(x.chunk(world_size, 0)).sum(0)
+
+
+def _mc2_linear_function() -> list[Any]:
+    """ColumnSeqParallelLinearFunction of
+    mindspeed/core/tensor_parallel/mc2_feature/linear_function.py (--use-ascend-mc2: the
+    column-parallel linear with sequence parallelism), as MindSpeed writes it; on a
+    ``torch.distributed`` group its collectives are torch's, on a LoopbackGroup the loopback
+    (``torch.cuda.current_device()`` is the input's device here)."""
+
+    class ColumnSeqParallelLinearFunction(torch.autograd.Function):
+        """use npu_all_gather_base_mm in forward to overlap computation and communication."""
+
+        @staticmethod
+        def forward(ctx, input_, weight, bias, group, all_gather_recomputation=True, gradient_accumulation_fusion=False):  # type: ignore[no-untyped-def]
+            ctx.save_for_backward(input_)
+            ctx.use_bias = bias is not None
+            ctx.weight = weight
+            ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
+            ctx.all_gather_recomputation = all_gather_recomputation
+            hcomm_info, world_size = _gemm_ref.group_info(group)
+            x = input_.reshape(input_.shape[0] * input_.shape[1], input_.shape[2])
+            # npu_all_gather_base_mm currently do not support bias
+            output, all_gather_grad_output = _npu().npu_all_gather_base_mm(
+                x, weight.t(), hcomm_info, world_size, bias=None, gather_index=0,
+                gather_output=(not all_gather_recomputation))
+            if bias is not None:
+                output = output + bias
+            output = output.view(int(output.shape[0] / input_.shape[1]), input_.shape[1],
+                                 output.shape[1])
+            ctx.all_gather_output = all_gather_grad_output
+            ctx.world_size = world_size
+            ctx.group = group
+            return output
+
+        @staticmethod
+        def backward(ctx, grad_output):  # type: ignore[no-untyped-def]
+            input_ = ctx.saved_tensors[0]
+            weight = ctx.weight
+            grad_output_ = grad_output.reshape(grad_output.shape[0] * grad_output.shape[1],
+                                               grad_output.shape[2])
+            if ctx.all_gather_recomputation:
+                all_gather_output = _loopback_all_gather(input_.contiguous(), ctx.world_size)
+            else:
+                all_gather_output = ctx.all_gather_output
+            grad_input = grad_output_.matmul(weight)
+            grad_input = grad_input.reshape(grad_output.shape[0], grad_output.shape[1],
+                                            weight.shape[1])
+            sub_grad_input = _loopback_reduce_scatter(grad_input, ctx.world_size)
+            # as MindSpeed: a 3-D gathered input (the recomputed one); the op's own gathered
+            # output is 2-D, so MindSpeed's path without recomputation fails here
+            all_gather_output = all_gather_output.reshape(
+                all_gather_output.shape[0] * all_gather_output.shape[1],
+                all_gather_output.shape[2])
+            if ctx.gradient_accumulation_fusion and weight.main_grad.dtype == torch.float32:
+                from mindspeed.ops.npu_matmul_add import npu_matmul_add_fp32
+                npu_matmul_add_fp32(all_gather_output, grad_output_, weight.main_grad)
+                if hasattr(weight, "grad_added_to_main_grad"):
+                    # a dummy grad (MindSpeed: torch.empty unless zero_out_wgrad; zeros here)
+                    grad_weight = torch.zeros(weight.main_grad.shape, dtype=input_.dtype,
+                                              device=input_.device, requires_grad=False)
+                    weight.grad_added_to_main_grad = True
+                else:
+                    grad_weight = None
+            else:
+                grad_weight = grad_output_.t().matmul(all_gather_output)
+            if ctx.needs_input_grad[2] and ctx.use_bias:
+                grad_bias = (grad_output_.sum(dim=0) if grad_output_.is_contiguous()
+                             else grad_output_.t().sum(dim=1))
+            else:
+                grad_bias = None
+            return sub_grad_input, grad_weight, grad_bias, None, None, None
+
+    return [ColumnSeqParallelLinearFunction]
+
+
 def _own(module: types.ModuleType, objects: list[Any]) -> None:
     """Put classes and functions built for ``module`` into it, named as MindSpeed names them."""
     for obj in objects:
@@ -501,6 +588,9 @@ class _Builders:
     def mc2_fuse_a2a(self, module: types.ModuleType) -> None:
         _own(module, _mc2_fuse_a2a())
 
+    def linear_function(self, module: types.ModuleType) -> None:
+        _own(module, _mc2_linear_function())
+
     def package(self, module: types.ModuleType) -> None:
         module.__doc__ = (f"opcontracts emulation of {module.__name__} (only the modules "
                           "below it that the stand-ins emulate).")
@@ -524,6 +614,7 @@ class _Builders:
             "mindspeed.core.fusions.fused_bias_swiglu": self.fused_bias_swiglu,
             **{name: self.package for name in _MC2_PACKAGES},
             "mindspeed.core.transformer.moe.moe_feature.mc2moe.mc2_fuse_a2a": self.mc2_fuse_a2a,
+            "mindspeed.core.tensor_parallel.mc2_feature.linear_function": self.linear_function,
         }
 
 

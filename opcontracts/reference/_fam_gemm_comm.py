@@ -504,6 +504,36 @@ def gmm_unpermute_alltoallv_example(gen: torch.Generator) -> tuple[tuple[Any, ..
             _tokens_per_expert(), None, None, None, list(MC2_COUNTS), list(MC2_COUNTS)), {}
 
 
+def column_seq_parallel_linear(
+    input_: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Any,
+    all_gather_recomputation: bool = True, gradient_accumulation_fusion: bool = False,
+) -> torch.Tensor:
+    """MindSpeed's ``mc2_feature.linear_function.ColumnSeqParallelLinearFunction``: the
+    sequence-parallel input (s, b, h) flattened to (s * b, h), all-gathered and multiplied by
+    ``weight.t()`` in npu_all_gather_base_mm, the bias added after; (world * s, b, n)."""
+    hcom, world = group_info(group)
+    x = input_.reshape(input_.shape[0] * input_.shape[1], input_.shape[2])
+    out, _ = npu_all_gather_base_mm(x, weight.t(), hcom, world, bias=None, gather_index=0,
+                                    gather_output=not all_gather_recomputation)
+    if bias is not None:
+        out = out + bias
+    return out.view(out.shape[0] // input_.shape[1], input_.shape[1], out.shape[1])
+
+
+def column_seq_parallel_linear_example(
+        gen: torch.Generator) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    # (s, b, h) = (2, 1, 256): h in the op's [256, 65535); a tensor-parallel group of 2.  The
+    # weight reads 4 of the 256 features (+-1/4 each), so that every result is exact or one
+    # rounding away in bf16: MindSpeed rounds twice where the reference (fp32) rounds once (the
+    # bias added after the kernel, the reduce-scatter after the input-gradient matmul), which a
+    # dense example turns into msprobe-sized differences on 16 elements
+    weight = torch.zeros(4, 256)
+    signs = torch.randint(0, 2, (4,), generator=gen) * 2 - 1
+    weight[torch.arange(4), torch.randperm(256, generator=gen)[:4]] = signs / 4
+    return (_vals(gen, 2, 1, 256) / 4, weight.to(torch.bfloat16), _vals(gen, 4),
+            LoopbackGroup(2, name="tp"), True, False), {}
+
+
 _MC2 = "MindSpeed master, mindspeed/"
 _LOOP = "; the collectives a loopback in one process (LoopbackGroup)"
 
@@ -546,4 +576,8 @@ REFERENCES: tuple[Reference, ...] = (
               example=gmm_unpermute_alltoallv_example,
               source=f"{_MC2}core/transformer/moe/moe_feature/mc2moe/mc2_fuse_a2a.py over "
                      f"npu_gmm_alltoallv{_LOOP}"),
+    Reference("mindspeed.ColumnSeqParallelLinearFunction", column_seq_parallel_linear,
+              example=column_seq_parallel_linear_example,
+              source=f"{_MC2}core/tensor_parallel/mc2_feature/linear_function.py over "
+                     f"npu_all_gather_base_mm{_LOOP}"),
 )
