@@ -142,11 +142,38 @@ def test_grouped_matmul_negative_group_sizes_need_value_checks(npu: Any) -> None
     assert (exc.arg, exc.rule) == ("group_list", "value") and "negative" in str(exc)
 
 
-def test_grouped_matmul_list_group_list_is_the_list_overload() -> None:
-    """torch_npu's ``npu_grouped_matmul.List`` takes group_list as a list of ints; the contract
-    accepts it (the emulation registers the Tensor overload only, so check() is used)."""
+def test_grouped_matmul_list_group_list_is_the_list_overload(npu: Any) -> None:
+    """torch_npu's ``npu_grouped_matmul.List`` takes group_list as a list of ints (the
+    emulation registers it with the default overload's kernel, fake and backward); through the
+    guarded packet a list picks it, conforms, computes what the tensor call computes and
+    trains; the list's values are checked like the tensor's (opt-in)."""
     x, w, kw = _gmm_grouped()
-    opcontracts.check("npu_grouped_matmul", x, w, **{**kw, "group_list": [2, 5, 6]})
+    assert "List" in torch.ops.npu.npu_grouped_matmul.overloads()
+    xs, ws = [x[0].clone().requires_grad_()], [w[0].clone().requires_grad_()]
+    with opcontracts.mode("strict"):
+        (y,) = npu.npu_grouped_matmul(xs, ws, **{**kw, "group_list": [2, 5, 6]})
+        (want,) = npu.npu_grouped_matmul(x, w, **kw)
+        y.float().sum().backward()
+        (direct,) = torch.ops.npu.npu_grouped_matmul.List(x, w, **{**kw, "group_list": [2, 5, 6]})
+    torch.testing.assert_close(y, want)
+    torch.testing.assert_close(direct, want)
+    assert xs[0].grad is not None and ws[0].grad is not None and xs[0].grad.shape == (6, 8)
+    assert not opcontracts.report()
+    opcontracts.set_value_checks(True)
+    exc = _violation(npu.npu_grouped_matmul, x, w, **{**kw, "group_list": [2, 5, 5]})
+    assert (exc.arg, exc.rule) == ("group_list", "value")
+
+    def f(t: torch.Tensor) -> torch.Tensor:
+        return torch.ops.npu.npu_grouped_matmul([t], w, **{**kw, "group_list": [2, 5, 6]})[0]
+
+    opcontracts.set_value_checks(False)
+    torch._dynamo.reset()
+    try:
+        with opcontracts.mode("strict"):
+            out = torch.compile(f, backend="aot_eager", fullgraph=True)(x[0])
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(out, want)
 
 
 def test_grouped_matmul_fix_casts_the_bias_and_gradients_reach_the_caller(npu: Any) -> None:

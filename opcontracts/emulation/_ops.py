@@ -31,9 +31,10 @@ from .. import reference
 from . import _fakes, _raw
 from ._autograd import BackwardFn, make_autograd_kernel
 from ._backward import BACKWARDS
-from ._family import all_ops, backward_of, digest_schema
+from ._family import DIGEST_RELEASE, all_ops, backward_of, digest_schema
 
-__all__ = ["NAMESPACE", "OPS", "OP_NAMES", "OpDef", "deregister", "register", "tensor_args"]
+__all__ = ["EXTRA_OVERLOADS", "NAMESPACE", "OPS", "OP_NAMES", "OpDef", "deregister",
+           "overload_schema", "register", "tensor_args"]
 
 NAMESPACE = "npu"
 
@@ -88,6 +89,61 @@ OPS: tuple[OpDef, ...] = tuple(
     for op in all_ops()
 )
 OP_NAMES: tuple[str, ...] = tuple(op.name for op in OPS)
+
+# Overloads registered besides the default one, as torch_npu 2.14.0 defines them: op ->
+# (overload, its ``int[]`` arguments that the default overload takes as an int64 ``Tensor``).
+# Each runs the default overload's kernel, fake and backward with those arguments turned into
+# that tensor (a metadata-only one for the fake), so the two overloads compute the same.
+EXTRA_OVERLOADS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "npu_grouped_matmul": ("List", ("group_list",)),  # group_list as a list of ints
+}
+
+
+def overload_schema(name: str, overload: str) -> str:
+    """The schema string of ``name.overload`` in the emulated release (the wheel digest)."""
+    from ..wheel import digest
+
+    for ov in digest.op_schemas(DIGEST_RELEASE).get(name, ()):
+        if ov.overload == overload:
+            return ov.func
+    raise RuntimeError(f"torch_npu {DIGEST_RELEASE} has no overload {name}.{overload}")
+
+
+def _tensor_of(value: Any, like: Any, fake: bool) -> Any:
+    """An ``int[]`` argument as the int64 tensor the default overload takes."""
+    if value is None or isinstance(value, torch.Tensor):
+        return value
+    ref = like[0] if isinstance(like, (list, tuple)) and like else like
+    device = ref.device if isinstance(ref, torch.Tensor) else None
+    if fake:  # the fakes read sizes only; a fake tensor cannot be built from the values
+        return torch.empty((len(value),), dtype=torch.int64, device=device)
+    return torch.tensor([int(v) for v in value], dtype=torch.int64, device=device)
+
+
+def _with_tensors(fn: Callable[..., Any], names: tuple[str, ...], fake: bool = False
+                  ) -> Callable[..., Any]:
+    """``fn`` (a kernel or fake of the default overload) called with ``names`` as tensors."""
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def entry(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        first = next(iter(bound.arguments.values()), None)
+        for n in names:
+            if n in bound.arguments:
+                bound.arguments[n] = _tensor_of(bound.arguments[n], first, fake)
+        return fn(*bound.args, **bound.kwargs)
+
+    return entry
+
+
+def _backward_with_tensors(backward: BackwardFn, names: tuple[str, ...]) -> BackwardFn:
+    def formula(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[str, Any]:
+        first = next(iter(inputs.values()), None)
+        return backward({**inputs, **{n: _tensor_of(inputs.get(n), first, False)
+                                      for n in names if n in inputs}}, outputs, grads)
+
+    return formula
 
 
 def tensor_args() -> Mapping[str, frozenset[str]]:
@@ -146,10 +202,26 @@ def register() -> Library:
             if op.backward is not None:
                 overload = getattr(getattr(torch.ops, NAMESPACE), op.name).default
                 lib.impl(op.name, make_autograd_kernel(overload, op.backward), "Autograd", with_keyset=True)
+            if op.name in EXTRA_OVERLOADS:
+                _register_overload(lib, op, *EXTRA_OVERLOADS[op.name])
     except BaseException:
         lib._destroy()
         raise
     return lib
+
+
+def _register_overload(lib: Library, op: OpDef, overload: str, names: tuple[str, ...]) -> None:
+    qualified = f"{op.name}.{overload}"
+    lib.define(overload_schema(op.name, overload))
+    lib.impl(qualified, _through(_raw.kernel_view, op.name, _with_tensors(op.kernel, names)),
+             "CompositeExplicitAutograd")
+    torch.library.register_fake(
+        f"{NAMESPACE}::{qualified}",
+        _through(_raw.fake_view, op.name, _with_tensors(op.fake, names, fake=True)), lib=lib)
+    if op.backward is not None:
+        ov = getattr(getattr(getattr(torch.ops, NAMESPACE), op.name), overload)
+        lib.impl(qualified, make_autograd_kernel(ov, _backward_with_tensors(op.backward, names)),
+                 "Autograd", with_keyset=True)
 
 
 def deregister(lib: Library) -> None:
