@@ -229,6 +229,13 @@ def npu_groupmatmul_add_fp32(x, dy, grouplist, grad):  # type: ignore[no-untyped
 # module, so a guard set on one install's classes does not outlive it.
 
 
+def _expert_weight_grad(x: torch.Tensor, dy: torch.Tensor, group_list: Any) -> torch.Tensor:
+    """The experts' weight gradient MindSpeed's MC2 backwards compute: a K-split grouped matmul
+    of ``x.T`` and ``dy`` over ``group_list`` (counts), through the guarded torch_npu op."""
+    return _npu().npu_grouped_matmul([x.T], [dy], bias=None, group_list=group_list,  # type: ignore[no-any-return]
+                                     split_item=3, group_type=2, group_list_type=1)[0]
+
+
 def _grouped_matmul_mc2(module: types.ModuleType) -> list[Any]:
     """AllToAllGroupedMatmul / GroupedMatmulAllToAll and all2all_grouped_matmul /
     grouped_matmul_all2all, as MindSpeed writes them (the functions look the classes up in
@@ -258,9 +265,7 @@ def _grouped_matmul_mc2(module: types.ModuleType) -> list[Any]:
                 output_grad, weights, ctx.hcomm, ctx.ep_world_size, ctx.recv_counts,
                 ctx.send_counts, mm_x=shared_output_grad, mm_weight=shared_weight,
                 trans_gmm_weight=True)
-            weights_grad = _npu().npu_grouped_matmul(
-                [permute_output.T], [output_grad], bias=None, group_list=ctx.group_list_tensor,
-                split_item=3, group_type=2, group_list_type=1)[0]
+            weights_grad = _expert_weight_grad(permute_output, output_grad, ctx.group_list_tensor)
             shared_weight_grad = (None if shared_inputs is None
                                   else torch.matmul(shared_inputs.T, shared_output_grad))
             return inputs_grad, weights_grad, None, None, None, shared_inputs_grad, shared_weight_grad
@@ -289,9 +294,7 @@ def _grouped_matmul_mc2(module: types.ModuleType) -> list[Any]:
                 output_grad, weights, ctx.hcomm, ctx.ep_world_size, ctx.recv_counts,
                 ctx.send_counts, mm_x=shared_output_grad, mm_weight=shared_weight,
                 permute_out_flag=True, trans_gmm_weight=True)
-            weights_grad = _npu().npu_grouped_matmul(
-                [inputs.T], [permute_grad], bias=None, group_list=ctx.group_list_tensor,
-                split_item=3, group_type=2, group_list_type=1)[0]
+            weights_grad = _expert_weight_grad(inputs, permute_grad, ctx.group_list_tensor)
             shared_weight_grad = (None if shared_inputs is None
                                   else torch.matmul(shared_inputs.T, shared_output_grad))
             return inputs_grad, weights_grad, None, None, None, shared_inputs_grad, shared_weight_grad
@@ -352,15 +355,10 @@ def _mc2_fuse_a2a() -> list[Any]:
                 recv_counts=ctx.send_counts, send_counts_tensor=None, recv_counts_tensor=None,
                 mm_x=shared_expert_mm1_out_grad, mm_weight=share_expert_weight1,
                 trans_gmm_weight=False, trans_mm_weight=False)
-            weight1_grad = _npu().npu_grouped_matmul(
-                [permute2_out.T], [mm1_out_grad], bias=None, group_list=ctx.group_list,
-                split_item=3, group_type=2, group_list_type=1)[0]
+            weight1_grad = _expert_weight_grad(permute2_out, mm1_out_grad, ctx.group_list)
             shared_expert_weight1_grad = None
             if ctx.use_shared_experts:
-                shared_expert_weight1_grad = _npu().npu_grouped_matmul(
-                    [gmm1_inputs.T], [shared_expert_mm1_out_grad], bias=None,
-                    group_list=ctx.group_list, split_item=3, group_type=2,
-                    group_list_type=1)[0]
+                shared_expert_weight1_grad = _expert_weight_grad(gmm1_inputs, shared_expert_mm1_out_grad, ctx.group_list)
             return (gmm1_inputs_grad, weight1_grad, None, None, shared_expert_fc1_inputs_grad,
                     shared_expert_weight1_grad, None, None, None)
 
@@ -399,15 +397,10 @@ def _mc2_fuse_a2a() -> list[Any]:
                     recv_counts_tensor=None, mm_x=shared_expert_mm2_out_grad,
                     mm_weight=share_expert_weight2, trans_gmm_weight=False,
                     trans_mm_weight=False, permute_out_flag=True)
-            weight2_grad = _npu().npu_grouped_matmul(
-                [gmm2_inputs.T], [unpermute1_input_grad], bias=None, group_list=ctx.group_list,
-                split_item=3, group_type=2, group_list_type=1)[0]
+            weight2_grad = _expert_weight_grad(gmm2_inputs, unpermute1_input_grad, ctx.group_list)
             shared_expert_weight2_grad = None
             if ctx.use_shared_experts:
-                shared_expert_weight2_grad = _npu().npu_grouped_matmul(
-                    [gmm2_inputs.T], [shared_expert_mm2_out_grad], bias=None,
-                    group_list=ctx.group_list, split_item=3, group_type=2,
-                    group_list_type=1)[0]
+                shared_expert_weight2_grad = _expert_weight_grad(gmm2_inputs, shared_expert_mm2_out_grad, ctx.group_list)
             return (gmm2_input_grad, weight2_grad, None, None, shared_expert_fc2_input_grad,
                     shared_expert_weight2_grad, None, None, None)
 
