@@ -24,12 +24,12 @@ import argparse
 import sys
 import time
 import timeit
-import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
+from _guarded_scale import guarded_scale
 
 
 def best_ns(fn: Callable[[], Any], number: int, repeat: int) -> float:
@@ -77,26 +77,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import opcontracts
     import opcontracts.patch as patch
-    from opcontracts import Arg, Contract, reference
+    from opcontracts import reference
 
-    mod = types.ModuleType("bench_compare_ops")
-
-    def scale(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return x * w
-
-    mod.scale = scale  # type: ignore[attr-defined]
-    sys.modules[mod.__name__] = mod
-    patch.apply([Contract("bench.scale", {"x": Arg("fp32", "N H"),
-                                          "w": Arg(same_dtype_as="x", shape="H")},
-                          targets=["bench_compare_ops.scale"], source="benchmark")])
+    op = guarded_scale("bench_compare_ops")
     reference.register("bench.scale", lambda x, w: x * w, source="benchmark", replace=True)
-    guard = mod.scale
-    x, w = torch.randn(64, 64), torch.randn(64)
-    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
-
-    def chain() -> None:
-        y = mod.scale(mod.scale(mod.scale(xg, wg), wg), wg)
-        y.sum().backward()
+    mod, guard, x, w, chain = op.mod, op.mod.scale, op.x, op.w, op.chain
 
     rows: dict[str, float] = {}
     with opcontracts.mode("strict"):
@@ -109,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                     repeat)
     assert mod.scale is guard, "the layer was not taken off"
     patch.unpatch()
-    del sys.modules[mod.__name__]
+    op.close()
     reference.unregister("bench.scale")
     rows.update(emulated_kernel(max(20, number // 10), repeat))
     rows.update(demo_step(max(3, repeat)))

@@ -22,11 +22,11 @@ from __future__ import annotations
 import argparse
 import sys
 import timeit
-import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from _guarded_scale import guarded_scale
 
 
 def best_ns(fn: Callable[[], Any], number: int, repeat: int) -> float:
@@ -42,28 +42,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import opcontracts
     import opcontracts.patch as patch
-    from opcontracts import Arg, Contract
     from opcontracts.nan import NanSentinel
 
-    mod = types.ModuleType("bench_nan_ops")
-
-    def scale(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return x * w
-
-    mod.scale = scale  # type: ignore[attr-defined]
-    sys.modules[mod.__name__] = mod
-    patch.apply([Contract("bench.scale", {"x": Arg("fp32", "N H"),
-                                          "w": Arg(same_dtype_as="x", shape="H")},
-                          targets=["bench_nan_ops.scale"], source="benchmark")])
-    guard = mod.scale
-
-    x, w = torch.randn(64, 64), torch.randn(64)
-    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    op = guarded_scale("bench_nan_ops")
+    mod, guard, x, w, xg, wg, chain = op.mod, op.mod.scale, op.x, op.w, op.xg, op.wg, op.chain
     lin = torch.nn.Linear(64, 64)
-
-    def chain() -> None:
-        y = mod.scale(mod.scale(mod.scale(xg, wg), wg), wg)
-        y.sum().backward()
 
     def rows_for(tag: str) -> dict[str, float]:
         r: dict[str, float] = {}
@@ -85,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     assert mod.scale is guard, "disable did not restore the guard"
     rows.update(demo_step(max(3, repeat // 2)))
     patch.unpatch()
-    del sys.modules[mod.__name__]
+    op.close()
 
     print(f"{'row':48s} {'best ns':>12s}")
     for name, v in rows.items():
