@@ -2,7 +2,7 @@
 
     python benchmarks/bench_compare.py [--quick]
 
-All three are observers of one layer over the patch's guards (``opcontracts._observe``): off,
+All three are observers of one layer over the patch's guards (``opcontracts._observers.layer``): off,
 nothing is installed (checked here: the guards are the patch's own objects again).  Rows, best
 of N per call (shared machines are noisy: the best run is the least disturbed one), and the
 ratio to the same call with nothing attached:
@@ -40,8 +40,8 @@ def best_ns(fn: Callable[[], Any], number: int, repeat: int) -> float:
 @contextmanager
 def attached(kind: str) -> Iterator[None]:
     """Nothing, the call statistics, the recorder or the compare (``compare:RATE``)."""
-    from opcontracts import _observe
-    from opcontracts._stats import CallStats
+    from opcontracts._observers import layer
+    from opcontracts._observers.stats import CallStats
     from opcontracts.compare import ShadowCompare
     from opcontracts.record import Recorder
 
@@ -50,11 +50,11 @@ def attached(kind: str) -> Iterator[None]:
         return
     if kind == "stats":
         stats = CallStats()
-        _observe.attach(stats)
+        layer.attach(stats)
         try:
             yield
         finally:
-            _observe.detach(stats)
+            layer.detach(stats)
         return
     obs: Any = Recorder() if kind == "recorder" else ShadowCompare(
         sample=float(kind.split(":")[1]))
@@ -148,7 +148,7 @@ def emulated_kernel(number: int, repeat: int) -> dict[str, float]:
 def demo_step(repeat: int) -> dict[str, float]:
     """The demo's unguarded training step (mode off), with each observer."""
     import opcontracts
-    from opcontracts import demo
+    from opcontracts._tools import demo
 
     out: dict[str, float] = {}
     with demo._environment() as model_mod:

@@ -44,7 +44,7 @@ def _steps(setting: Any, steps: int) -> dict[str, Any]:
 
     import opcontracts
     import opcontracts.patch as patch
-    from opcontracts import demo
+    from opcontracts._tools import demo
     from opcontracts.nan import NanSentinel
 
     times: dict[str, list[float]] = {s: [] for s in SERIES}
@@ -113,10 +113,10 @@ def _summary(name: str, r: dict[str, Any]) -> list[str]:
 
 def _rank_main(ranks: int, steps: int) -> list[str] | None:
     """Each rank: FSDP1 then FSDP2; rank 0 returns the lines to print."""
-    from opcontracts import _demo_dist, demo
+    from opcontracts._tools import demo, demo_dist
 
     out: list[str] = []
-    with _demo_dist.process_group() as (rank, world):
+    with demo_dist.process_group() as (rank, world):
         for fsdp in (1, 2):
             r = _steps(demo._fsdp_setting(fsdp), steps)
             out += _summary(f"FSDP{fsdp}, {world} ranks", r)
@@ -134,10 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import opcontracts
-    from opcontracts import _demo_dist, demo
+    from opcontracts._tools import demo, demo_dist
 
     lines = _summary("one process, no FSDP", _steps(demo.SINGLE, steps))
-    results = _demo_dist.launch(ns.ranks, _rank_main, ns.ranks, steps)
+    results = demo_dist.launch(ns.ranks, _rank_main, ns.ranks, steps)
     lines += results[0]
     print("\n".join(lines))
     print(f"python {sys.version.split()[0]}, torch {torch.__version__}, opcontracts "

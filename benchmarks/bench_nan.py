@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 def demo_step(repeat: int) -> dict[str, float]:
     """The demo's unguarded training step, without and with the sentinel."""
     import opcontracts
-    from opcontracts import demo
+    from opcontracts._tools import demo
     from opcontracts.nan import NanSentinel
 
     out: dict[str, float] = {}

@@ -8,7 +8,7 @@ Rows (median ns per call over many repeats; the machines are noisy, so read the 
     hand as an ``if`` chain
   * the same rules through the generated checker, called directly (what a call with tensor
     metadata not seen before runs)
-  * the same call answered by the signature memo (``opcontracts/_memo.py``): the C++ check a
+  * the same call answered by the signature memo (``opcontracts/_engine/memo.py``): the C++ check a
     guard learns from a conforming call and runs first on later calls (the steady state)
   * the whole guard of a decorated no-op function, minus the bare no-op call
   * jaxtyping + beartype on the same function, when both are installed

@@ -72,14 +72,14 @@ def main(argv: list[str] | None = None) -> int:
 
     patch.apply()
     guarded = torch_npu.npu_moe_token_unpermute
-    from opcontracts._enforce import compiled_of
+    from opcontracts._engine.enforce import compiled_of
 
     cc = compiled_of(guarded)
     assert cc is not None, "patch did not wrap the op"
     # The emulated kernel costs ~100 us, so the wrapper's few hundred ns drown in its noise.
     # Measure the wrapper itself: the very guard code and checker the patch installed
     # (same compiled contract), around a no-op instead of the kernel.
-    from opcontracts._enforce import make_guard
+    from opcontracts._engine.enforce import make_guard
 
     def noop(*args: Any, **kwargs: Any) -> None:
         return None

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._modes import get_mode, mode, set_mode
-from ._report import Report, ReportFileError, report, reset_report
+from ._engine import records as _records
+from ._engine.records import Report, ReportFileError, reset_report
+from ._lang.modes import get_mode, mode, set_mode
+from ._version import __version__
 from .errors import (
     ContractFileError,
     ContractFixWarning,
@@ -19,10 +21,10 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from ._registry import UnknownOpError, get_contract, register
-    from ._use import use
-    from ._values import set_value_checks, value_checks_enabled
-    from ._versions import set_versions
+    from ._attach.use import use
+    from ._engine.registry import UnknownOpError, get_contract, register
+    from ._lang.values import set_value_checks, value_checks_enabled
+    from ._lang.versions import set_versions
     from .decorator import check, enforce
     from .spec import Arg, Contract, ValueRule, When, load_contracts
 
@@ -30,12 +32,12 @@ if TYPE_CHECKING:
 # plugin imports this package in every pytest session, and `import opcontracts.patch` sits at
 # the top of training scripts; neither should pay for what it does not use.
 _LAZY = {
-    "UnknownOpError": "_registry", "get_contract": "_registry", "register": "_registry",
-    "set_value_checks": "_values", "value_checks_enabled": "_values",
-    "set_versions": "_versions",
+    "UnknownOpError": "_engine.registry", "get_contract": "_engine.registry", "register": "_engine.registry",
+    "set_value_checks": "_lang.values", "value_checks_enabled": "_lang.values",
+    "set_versions": "_lang.versions",
     "check": "decorator", "enforce": "decorator",
     "Arg": "spec", "Contract": "spec", "ValueRule": "spec", "When": "spec",
-    "load_contracts": "spec", "use": "_use",
+    "load_contracts": "spec", "use": "_attach.use",
 }
 
 
@@ -44,6 +46,21 @@ _LAZY = {
 # importing it applies the patch, which must stay an explicit ``import opcontracts.patch``.
 _SUBMODULES = frozenset({"reference", "compare", "probe", "record", "nan", "emulation",
                          "dispatch", "wheel"})
+
+
+def report(*, gather: bool = False) -> Report:
+    """A snapshot of every violation recorded in this process.
+
+    ``gather=True`` in a ``torch.distributed`` job is a collective (every rank must call it): rank
+    0 gets every rank's violations merged, each record naming the ``ranks`` that saw it; the other
+    ranks get their own.  Outside a distributed job it is the same as ``report()``.
+    """
+    rep = _records.report()
+    if gather:  # the gather lives above the records (``_ranks``): torch.distributed only when asked
+        from ._ranks.gather import gather_report
+
+        return gather_report(rep)
+    return rep
 
 
 def __getattr__(name: str) -> Any:
@@ -64,7 +81,6 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY) | _SUBMODULES)
 
 
-__version__ = "0.1.0"
 
 __all__ = [
     "Arg",

@@ -15,14 +15,14 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ._versions import Env
+    from ._lang.versions import Env
     from .spec import Arg, Contract, When
 
 __all__ = ["main", "build_parser"]
 
 
 def _dt(names: Sequence[str]) -> str:
-    from ._dtypes import parse_dtype, short_name
+    from ._lang.dtypes import parse_dtype, short_name
 
     return "/".join(short_name(parse_dtype(n)) for n in names)
 
@@ -64,7 +64,7 @@ def _rules(arg: Arg) -> str:
     if arg.optional:
         parts.append("optional")
     if arg.values is not None:
-        from ._values import describe
+        from ._lang.values import describe
 
         parts.append("values: " + describe(arg.values))
     return ", ".join(parts) or "-"
@@ -120,7 +120,7 @@ def _print_contract(c: Contract, status: str, indent: str = "  ") -> None:
 
 
 def _env_line(env: Env) -> str:
-    from . import _versions
+    from ._lang import versions as _versions
 
     parts = []
     for name in _versions.FIELDS:
@@ -156,20 +156,20 @@ def _contract_paths() -> list[str]:
 
 def _load_for_list(extra: Sequence[str]) -> list[Contract]:
     """Every contract a job would load: the shipped ones, the files of
-    ``OPCONTRACTS_CONTRACTS`` (loaded by ``_use.env_contracts``, as the patch loads them: a
+    ``OPCONTRACTS_CONTRACTS`` (loaded by ``_attach.use.env_contracts``, as the patch loads them: a
     bad file is skipped with its warning, as in a job), then ``--contracts`` (a bad file is an
     error: asked for by name on this command line)."""
-    from . import _registry
+    from ._engine import registry
     from .spec import load_contracts
 
-    _registry.load_shipped()
+    registry.load_shipped()
     if _contract_paths():
-        from ._use import env_contracts  # the loading a job does, without applying the patch
+        from ._attach.use import env_contracts  # the loading a job does, without applying the patch
 
-        _registry.register(env_contracts(), replace=True)
+        registry.register(env_contracts(), replace=True)
     for path in extra:
-        _registry.register(load_contracts(path), replace=True)
-    return _registry.all_contracts()
+        registry.register(load_contracts(path), replace=True)
+    return registry.all_contracts()
 
 
 def _coverage(ns: argparse.Namespace, contracts: list[Contract]) -> int:
@@ -194,7 +194,8 @@ def _cmd_list(ns: argparse.Namespace) -> int:
     (``explain``), then, when several apply (a version is unknown, or a chip-specific table
     adds to a version table), the strictest merge that is actually enforced.  Exit status 1
     when no op matches ``OP_PATTERN``."""
-    from . import _registry, _versions
+    from ._engine import registry
+    from ._lang import versions as _versions
 
     contracts = _load_for_list(ns.contracts or ())
     if ns.coverage:
@@ -234,7 +235,7 @@ def _cmd_list(ns: argparse.Namespace) -> int:
             _print_contract(c, status)
         applying = [c for c, ok in verdicts if ok is not False]
         if len(applying) > 1:
-            merged = _registry.resolve(op)
+            merged = registry.resolve(op)
             if merged is not None:
                 print(f"  => enforced: the strictest merge of these {len(applying)} contracts")
                 width = max((len(n) for n in merged.args), default=0)
@@ -262,7 +263,8 @@ def _list_json(ns: argparse.Namespace, env: Env,
     """``list --json``: every contract that matches (``--all`` is implied: each says whether it
     applies, ``true``/``null`` (may apply: a version is unknown)/``false``, and why), and per
     op the merge that is enforced."""
-    from . import _registry, _versions
+    from ._engine import registry
+    from ._lang import versions as _versions
 
     ops = []
     for op, verdicts in verdicts_by_op.items():
@@ -279,7 +281,7 @@ def _list_json(ns: argparse.Namespace, env: Env,
                            "args": {n: _arg_json(a) for n, a in case.args.items()}}
                           for case in c.cases],
             })
-        merged = _registry.resolve(op) if any(ok is not False for _, ok in verdicts) else None
+        merged = registry.resolve(op) if any(ok is not False for _, ok in verdicts) else None
         ops.append({"op": op, "contracts": items,
                     "enforced": {name: _arg_json(a) for name, a in merged.args.items()}
                     if merged is not None else None})
@@ -298,11 +300,11 @@ def _mode_info() -> dict[str, Any]:
     raw = os.environ.get("OPCONTRACTS_MODE")
     info: dict[str, Any] = {"mode": None, "by_op": {}, "OPCONTRACTS_MODE": raw, "error": None}
     try:
-        from . import _modes
+        from ._lang import modes
 
         if raw and raw.strip():
-            _modes.parse_mode(raw, where="OPCONTRACTS_MODE")
-        state = _modes.current_state()
+            modes.parse_mode(raw, where="OPCONTRACTS_MODE")
+        state = modes.current_state()
     except Exception as exc:  # noqa: BLE001 - env is where a bad setting must be visible
         info["error"] = str(exc)
         return info
@@ -312,7 +314,8 @@ def _mode_info() -> dict[str, Any]:
 
 
 def _env_json(env: Env) -> dict[str, Any]:
-    from . import __version__, _versions
+    from ._lang import versions as _versions
+    from ._version import __version__
 
     versions = {}
     for (name, shown, origin) in _versions.rows(env):
@@ -329,7 +332,7 @@ def _cmd_env(ns: argparse.Namespace) -> int:
     """The versions that decide which contracts apply, and where each was found, so a wrong
     guess (a stand-in, a stale ``ASCEND_TOOLKIT_HOME``) is visible; the mode and the extra
     contract files.  Exit status 2 when ``OPCONTRACTS_MODE`` is not a mode."""
-    from . import _versions
+    from ._lang import versions as _versions
 
     data = _env_json(_versions.current())
     mode = data["mode"]
@@ -362,34 +365,34 @@ def _cmd_env(ns: argparse.Namespace) -> int:
 
 def _cmd_report_merge(ns: argparse.Namespace) -> int:
     """Merge per-rank report files (``report.rank{R}.json``) and say which ranks saw what."""
-    from ._dist import cmd_merge
+    from ._ranks.gather import cmd_merge
 
     return cmd_merge(ns)
 
 
 def _cmd_demo(ns: argparse.Namespace) -> int:
     """Reproduce the first-step NaN of the incident on the CPU emulation, catch it, fix it."""
-    from . import demo
+    from ._tools import demo
 
     return demo.run(ns)
 
 
 def _cmd_run(ns: argparse.Namespace) -> int:
     """Run a script or module under ``opcontracts.patch`` (``opcontracts run --help``)."""
-    from . import _run
+    from ._tools import run as _run
 
     return _run.main(ns.argv)
 
 
 def _run_usage() -> str:
-    from ._run import USAGE  # one usage text: `opcontracts run --help` prints the same
+    from ._tools.run import USAGE  # one usage text: `opcontracts run --help` prints the same
 
     return USAGE.removeprefix("usage: ")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser; one ``add_parser`` (or one call adding a subcommand) per line of commands."""
-    from . import __version__
+    from ._version import __version__
 
     p = argparse.ArgumentParser(prog="opcontracts",
                                 description="Contracts for custom accelerator operators.")
@@ -453,7 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .wheel.cli import add_parser as _add_wheel_parser  # imports nothing else until run
 
     _add_wheel_parser(sub)
-    from ._probe_cli import add_parser as _add_probe_parser  # imports nothing until run
+    from ._tools.probe_cli import add_parser as _add_probe_parser  # imports nothing until run
 
     _add_probe_parser(sub)
     return p

@@ -17,10 +17,10 @@ GB, and has no reference for the MoE ops of the incident.  Here every op with a 
 * forward: the op's outputs against its reference run on up-cast copies of the inputs
   (fp16/bf16 -> fp32, fp32 -> fp64; mixed floating dtypes -> fp32, as msprobe does), on the CPU
   or on the call's own device (``device="same"``), judged per output dtype with msprobe's rules
-  (``_judge``); index outputs must be equal;
+  (``_observers.judge``); index outputs must be equal;
 * backward: the gradients the op sends to its inputs against autograd through the reference on
   the same incoming gradients (the layer's probes isolate exactly this op's gradients, see
-  ``_observe``); a guarded ``*_grad`` kernel called in backward is compared like a forward call
+  ``_observers.layer``); a guarded ``*_grad`` kernel called in backward is compared like a forward call
   and named with the forward call whose backward ran it.
 
 It works with contracts off or absent (``mode("off")``): it observes the guarded calls, whatever
@@ -48,10 +48,11 @@ from typing import Any, Literal
 
 import torch
 
-from . import _observe, reference
-from ._findings import Findings, later_lines, react
-from ._judge import SOURCE, Thresholds, Verdict, judge
-from ._observe import Call, Direction, Observer
+from . import reference
+from ._observers import layer
+from ._observers.findings import Findings, later_lines, react
+from ._observers.judge import SOURCE, Thresholds, Verdict, judge
+from ._observers.layer import Call, Direction, Observer
 
 __all__ = ["CompareResult", "Divergence", "DivergenceError", "ShadowCompare", "SOURCE"]
 
@@ -221,7 +222,7 @@ class DivergenceError(ArithmeticError):
 def _upcast_map(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[torch.dtype, torch.dtype]:
     """msprobe's reference precision: fp16/bf16 -> fp32, fp32 -> fp64; mixed floating dtypes
     all go to fp32 (fp64 if one is fp64)."""
-    floats = {t.dtype for _, t in _observe.tensors(args, kwargs) if t.is_floating_point()}
+    floats = {t.dtype for _, t in layer.tensors(args, kwargs) if t.is_floating_point()}
     if len(floats) <= 1:
         return {d: _UP.get(d, d) for d in floats}
     target = torch.float64 if torch.float64 in floats else torch.float32
@@ -247,11 +248,12 @@ def _repaired(call: Call, args: tuple[Any, ...], kwargs: dict[str, Any],
     not.  The layer sits outside the guard and sees the arguments as the user passed them;
     judging the kernel's output against a reference of the unrepaired arguments would report
     the repair's own rounding as a divergence, so the reference runs on the repaired ones
-    (the same planner as the guard's, ``_enforce.plan_fix``, on detached values)."""
-    from . import _modes
-    from ._enforce import _Bound, compiled_of, plan_fix
+    (the same planner as the guard's, ``_engine.enforce.plan_fix``, on detached values)."""
+    from ._engine.enforce import compiled_of
+    from ._engine.violations import _Bound, plan_fix
+    from ._lang import modes
 
-    if _modes.mode_for(call.op) is not _modes.FIX:
+    if modes.mode_for(call.op) is not modes.FIX:
         return None
     try:
         cc = compiled_of(call.fn)
@@ -331,14 +333,14 @@ class ShadowCompare(Observer):
     def enable(self) -> ShadowCompare:
         with self._lock:
             if self.watch and not self._watched:
-                self._watched = _observe.watch(self.watch, source="opcontracts.compare")
-        _observe.attach(self, who="opcontracts.compare")
+                self._watched = layer.watch(self.watch, source="opcontracts.compare")
+        layer.attach(self, who="opcontracts.compare")
         self._enabled = True
         return self
 
     def disable(self) -> CompareResult:
         if self._enabled:
-            _observe.detach(self)
+            layer.detach(self)
             self._enabled = False
         return self.result()
 
@@ -404,7 +406,7 @@ class ShadowCompare(Observer):
             with self._lock:
                 self._repaired += 1
         grad = (self.backward and torch.is_grad_enabled()
-                and any(t.requires_grad for _, t in _observe.tensors(given, given_kwargs)))
+                and any(t.requires_grad for _, t in layer.tensors(given, given_kwargs)))
         try:
             device = self._device_of()
             up = _upcast_map(args, kwargs)
@@ -416,8 +418,8 @@ class ShadowCompare(Observer):
             return None
         st = _State(ref, cargs, ckwargs, grad, device)
         if grad:  # the user's tensors (the gradients reach them) by their copies' positions
-            originals = list(_observe.tensors(given, given_kwargs))
-            copies = list(_observe.tensors(cargs, ckwargs))
+            originals = list(layer.tensors(given, given_kwargs))
+            copies = list(layer.tensors(cargs, ckwargs))
             st.by_key = {k: c for (k, t), (_, c) in zip(originals, copies) if t.requires_grad
                          and c.requires_grad}
         if call.context is None:
@@ -434,15 +436,15 @@ class ShadowCompare(Observer):
     def end(self, call: Call, state: Any, out: Any) -> None:
         st: _State = state
         try:
-            with _observe.busy(), torch.set_grad_enabled(st.grad):
+            with layer.busy(), torch.set_grad_enabled(st.grad):
                 ref_out = st.ref.forward(*st.args or (), **st.kwargs or {})
         except Exception as exc:  # the reference's failure is counted, never the job's
             self._error(call.op, exc)
             return
         finally:
             st.args = st.kwargs = None
-        got = list(_observe.outputs(out))
-        want = list(_observe.outputs(ref_out))
+        got = list(layer.outputs(out))
+        want = list(layer.outputs(ref_out))
         with self._lock:
             self._checked += 1
             self._checked_ops[call.op] = self._checked_ops.get(call.op, 0) + 1
@@ -487,7 +489,7 @@ class ShadowCompare(Observer):
         if not inputs or not pairs:
             return
         try:
-            with _observe.busy():
+            with layer.busy():
                 ref_grads = torch.autograd.grad([o for o, _ in pairs], inputs,
                                                 [g for _, g in pairs], allow_unused=True)
         except Exception as exc:
@@ -504,7 +506,7 @@ class ShadowCompare(Observer):
                 r = torch.zeros_like(inp)
             if g is None:
                 g = torch.zeros(inp.shape, dtype=inp.dtype)
-            name = _observe.arg_name(call.fn, k)
+            name = layer.arg_name(call.fn, k)
             self._judged(call, "input_grad", name, g, r)
 
     # ----------------------------------------------------------------- bookkeeping
@@ -531,7 +533,7 @@ class ShadowCompare(Observer):
             site, where, backward_of = call.site, call.where, None
         else:  # during the call (a *_grad op: its forward call's place)
             site, where, backward_of = call.place()
-        module, module_type = _observe.module_name(where)
+        module, module_type = layer.module_name(where)
         direction: Direction = "backward" if kind == "input_grad" else call.direction
         with self._lock:
             self._seq += 1

@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from typing_extensions import ParamSpec
 
-from . import _registry
-from ._enforce import check_call, compiled_for, make_guard, params_of
+from ._engine import registry
+from ._engine.enforce import check_call, compiled_for, make_guard, params_of
 from .errors import ContractFileError
 
 if TYPE_CHECKING:
-    from ._compile import CompiledContract
+    from ._engine.compile import CompiledContract
     from .spec import Arg, Contract
 
 __all__ = ["enforce", "check"]
@@ -87,7 +87,7 @@ def enforce(target: Any = None) -> Any:
             def factory() -> CompiledContract | None:
                 # at decoration and after every change to what applies (set_versions,
                 # register(..., replace=True)): the guard follows the registry
-                found = _registry.resolve(op)
+                found = registry.resolve(op)
                 if found is None:
                     return None
                 contract = _contract_for(fn, found)
@@ -107,7 +107,7 @@ def enforce(target: Any = None) -> Any:
 
 
 def _lookup(op: str) -> Contract:
-    return _registry.get_contract(op)  # loads the shipped packs on a miss
+    return registry.get_contract(op)  # loads the shipped packs on a miss
 
 
 def check(op: str | Contract, /, *args: Any, **kwargs: Any) -> None:

@@ -19,9 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import _modes, _registry
-from ._compile import CompiledContract
-from ._enforce import _schema_params, _violated, compiled_for
+from ._engine import registry
+from ._engine.compile import CompiledContract
+from ._engine.enforce import _schema_params, compiled_for
+from ._engine.violations import _violated
+from ._lang import modes
 
 if TYPE_CHECKING:
     from .spec import Contract
@@ -43,10 +45,10 @@ class ContractDispatchMode(TorchDispatchMode):
     def __init__(self, contracts: Iterable[Contract] | None = None) -> None:
         super().__init__()
         if contracts is None:
-            _registry.load_shipped()
+            registry.load_shipped()
             chosen = []
-            for op in sorted({c.op for c in _registry.all_contracts()}):
-                c = _registry.resolve(op)
+            for op in sorted({c.op for c in registry.all_contracts()}):
+                c = registry.resolve(op)
                 if c is not None:
                     chosen.append(c)
             contracts = chosen
@@ -78,8 +80,8 @@ class ContractDispatchMode(TorchDispatchMode):
             cc = self._entry(func)
         if cc is None:
             return func(*args, **kwargs)
-        m = _modes.mode_for(cc.contract.op)
-        if m is _modes.OFF:
+        m = modes.mode_for(cc.contract.op)
+        if m is modes.OFF:
             return func(*args, **kwargs)
         fast = cc.fast
         if fast is not None and fast(*args, **kwargs) is True:

@@ -26,11 +26,11 @@ Use::
 or ``opcontracts.nan.enable()`` / ``disable()``, or ``opcontracts run --nan-check script.py``.
 
 Why a layer and not a check in the guard: the guard's hot path must stay what it is when the
-sentinel is off.  The sentinel is an observer of ``opcontracts._observe``, the one layer over the
+sentinel is off.  The sentinel is an observer of ``opcontracts._observers.layer``, the one layer over the
 patch's guards that the shadow compare and the recorder plug into too: ``enable()`` attaches it
 (the layer wraps the patch's guards while any observer is attached) and ``disable()`` detaches
 it (the guards are put back ``is``-identically when the last one leaves); off, nothing of this
-module runs.  Backward is watched through the layer's probes and node hooks (``_observe``): per
+module runs.  Backward is watched through the layer's probes and node hooks (``_observers.layer``): per
 guarded call made with grad enabled the sentinel sees exactly the gradients the op sends to its
 inputs, and the gradients flowing into its outputs.
 
@@ -63,11 +63,11 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from . import _observe
-from ._callsite import CallSite
-from ._findings import Findings, later_lines, react
-from ._modpath import clean as clean_module_path
-from ._observe import Call, Direction, Observer
+from ._engine.callsite import CallSite
+from ._observers import layer
+from ._observers.findings import Findings, later_lines, react
+from ._observers.layer import Call, Direction, Observer
+from ._observers.modpath import clean as clean_module_path
 
 __all__ = [
     "NanEvent",
@@ -111,7 +111,7 @@ class NanEvent:
 
     @property
     def module_clean(self) -> str | None:
-        """The module path without wrapper segments (``_modpath.clean``): under FSDP1,
+        """The module path without wrapper segments (``_observers.modpath.clean``): under FSDP1,
         ``_fsdp_wrapped_module.layers.2._fsdp_wrapped_module.mlp`` is ``layers.2.mlp``."""
         return clean_module_path(self.module)
 
@@ -275,7 +275,7 @@ class NanSentinel(Observer):
                 raise RuntimeError("another NanSentinel is active; disable it first")
             self._enabled = True
             _active = self
-            _observe.attach(self, who="opcontracts.nan")
+            layer.attach(self, who="opcontracts.nan")
         return self
 
     def disable(self) -> NanResult:
@@ -284,7 +284,7 @@ class NanSentinel(Observer):
         global _active
         with _lock:
             if self._enabled:
-                _observe.detach(self)
+                layer.detach(self)
                 if _active is self:
                     _active = None
                 self._enabled = False
@@ -320,7 +320,7 @@ class NanSentinel(Observer):
                site: CallSite | None, where: tuple[nn.Module, nn.Module] | None,
                backward_of: str | None = None) -> None:
         dtype, shape, nan, inf = _counts(t)
-        module, module_type = _observe.module_name(where)
+        module, module_type = layer.module_name(where)
         with self._lock:
             self._seq += 1
             ev = NanEvent(op, direction, kind, arg, dtype, shape, nan, inf,
@@ -340,11 +340,11 @@ class NanSentinel(Observer):
             self._calls += 1
         st = _State()
         assert call.args is not None and call.kwargs is not None
-        for k, t in _observe.tensors(call.args, call.kwargs):
+        for k, t in layer.tensors(call.args, call.kwargs):
             if _nonfinite(t):
                 st.bad_input = True
                 site, where, backward_of = call.place()
-                self._event(call.op, call.direction, "received", _observe.arg_name(call.fn, k),
+                self._event(call.op, call.direction, "received", layer.arg_name(call.fn, k),
                             t, site, where, backward_of)
                 break
         return st
@@ -352,7 +352,7 @@ class NanSentinel(Observer):
     def end(self, call: Call, state: Any, out: Any) -> None:
         if state.bad_input:
             return  # handed non-finite input: not this op's doing
-        bad = next(((n, t) for n, t in _observe.outputs(out) if _nonfinite(t)), None)
+        bad = next(((n, t) for n, t in layer.outputs(out) if _nonfinite(t)), None)
         if bad is None:
             return
         site, where, backward_of = call.place()
@@ -371,7 +371,7 @@ class NanSentinel(Observer):
             return
         for k, g in zip(call.grad_keys, grads):
             if g is not None and _nonfinite(g):
-                self._event(call.op, "backward", "input_grad", _observe.arg_name(call.fn, k),
+                self._event(call.op, "backward", "input_grad", layer.arg_name(call.fn, k),
                             g, call.site, call.where)
                 return
 

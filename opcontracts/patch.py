@@ -21,10 +21,11 @@ import warnings
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from . import _modes, _registry
-from ._envwarn import warn_setting
-from ._patcher import Patcher, PatchRecord
-from ._use import env_contracts
+from ._attach.patcher import Patcher, PatchRecord
+from ._attach.use import env_contracts
+from ._engine import registry
+from ._lang import modes
+from ._lang.envwarn import warn_setting
 from .errors import OpContractsError
 
 if TYPE_CHECKING:
@@ -36,7 +37,7 @@ _patcher = Patcher()
 
 
 def _user_contracts() -> list[Contract]:
-    """The contracts of ``OPCONTRACTS_CONTRACTS`` (``_use.env_contracts``: bad files are
+    """The contracts of ``OPCONTRACTS_CONTRACTS`` (``_attach.use.env_contracts``: bad files are
     warned about and skipped)."""
     return env_contracts()
 
@@ -51,16 +52,16 @@ def apply(contracts: Iterable[Contract] | None = None) -> list[PatchRecord]:
     """
     extra = list(contracts or ()) + _user_contracts()
     if extra:
-        _registry.register(extra, replace=True)
+        registry.register(extra, replace=True)
     try:
-        targets = _registry.applicable_targets()
+        targets = registry.applicable_targets()
     except OpContractsError as exc:  # pragma: no cover - a broken install
         warnings.warn(f"opcontracts: shipped contracts: {exc}", RuntimeWarning, stacklevel=2)
         targets = {}
     # contracts registered in code or by earlier apply() calls (validated already)
-    for op in sorted({c.op for c in _registry.all_contracts()}):
+    for op in sorted({c.op for c in registry.all_contracts()}):
         try:
-            res = _registry.resolve(op)
+            res = registry.resolve(op)
         except OpContractsError as exc:  # contracts that cannot be merged: the job goes on
             warn_setting("opcontracts.patch", f"the contracts of {op} cannot be used "
                          f"together, so its targets are not guarded: {exc}")
@@ -98,5 +99,5 @@ def is_applied() -> bool:
     return _patcher.active
 
 
-_modes.check_setting()  # OPCONTRACTS_MODE=stirct stops the job here, naming the variable
+modes.check_setting()  # OPCONTRACTS_MODE=stirct stops the job here, naming the variable
 apply()

@@ -6,7 +6,7 @@ then gives each tensor argument in turn every dtype of its grid (the others stay
 conforming dtype), then gives every group of arguments the contract couples (``same_dtype_as`` one partner) each
 float dtype together.  Each run of the op (contracts off: the probe measures the kernel, not the
 rules) is compared with the reference on up-cast copies, as the shadow compare does
-(msprobe's rules, ``_judge``), and is one of:
+(msprobe's rules, ``_observers.judge``), and is one of:
 
 * ``correct``: the outputs agree with the reference;
 * ``wrong``: the op returned, silently, numbers that do not (the dangerous kind);
@@ -42,9 +42,10 @@ from typing import Any, Literal
 
 import torch
 
-from . import _observe, reference
-from ._contract_out import dumps_contracts, stack, stack_text, utc_now
-from ._judge import judge
+from . import reference
+from ._observers import layer
+from ._observers.contract_out import dumps_contracts, stack, stack_text, utc_now
+from ._observers.judge import judge
 
 __all__ = ["GRIDS", "Cell", "ProbeReport", "probe"]
 
@@ -134,7 +135,7 @@ class ProbeReport:
         return [c for c in self.cells if c.claim == "forbidden" and c.status == "correct"]
 
     def table(self) -> str:
-        from ._report import aligned
+        from ._engine.records import aligned
 
         head = [f"opcontracts probe: {self.op} ({self.target}), {len(self.cells)} run(s) in "
                 f"{self.seconds:.2f} s",
@@ -278,11 +279,11 @@ def _with(value: Any, dtype: torch.dtype) -> Any:
 
 
 def _contract(op: str) -> Any:
-    from . import _registry
+    from ._engine import registry
 
     try:
-        return _registry.resolve(op)
-    except _registry.UnknownOpError:
+        return registry.resolve(op)
+    except registry.UnknownOpError:
         return None
 
 
@@ -293,7 +294,7 @@ class _Runner:
         self.op, self.fn, self.ref = op, fn, ref
         self.cc = None
         if contract is not None:
-            from ._enforce import compiled_for, params_of
+            from ._engine.enforce import compiled_for, params_of
 
             raw = getattr(fn, "__wrapped__", fn)
             self.cc = compiled_for(contract, params_of(raw, contract))
@@ -301,7 +302,7 @@ class _Runner:
     def claim(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Claim, str | None]:
         if self.cc is None:
             return "no contract", None
-        from ._enforce import check_call
+        from ._engine.enforce import check_call
         from .errors import ContractViolation
 
         try:
@@ -311,24 +312,23 @@ class _Runner:
         return "allowed", None
 
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Status, str]:
-        import opcontracts
-
+        from ._lang import modes
         from .compare import _copy, _upcast_map
 
         try:
-            with opcontracts.mode("off"), torch.no_grad():
+            with modes.mode("off"), torch.no_grad():
                 out = self.fn(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - a kernel that raises is a result
             return "raises", f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
         up = _upcast_map(args, kwargs)
         try:
-            with torch.no_grad(), _observe.busy():
+            with torch.no_grad(), layer.busy():
                 want = self.ref.forward(*(_copy(a, up, None, False) for a in args),
                                         **{k: _copy(v, up, None, False) for k, v in
                                            kwargs.items()})
         except Exception as exc:  # noqa: BLE001 - nothing to judge against
             return "n/a", f"the reference raises {type(exc).__name__}"
-        got, exp = list(_observe.outputs(out)), list(_observe.outputs(want))
+        got, exp = list(layer.outputs(out)), list(layer.outputs(want))
         if len(got) != len(exp):
             return "wrong", f"{len(got)} output tensor(s), the reference has {len(exp)}"
         for (name, a), (_, e) in zip(got, exp):

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from ._report import Record, Report
+    from ._engine.records import Record, Report
 
 __all__ = ["OpcontractsEnv", "opcontracts_env"]
 
@@ -128,7 +128,7 @@ class _Tracker:
     """
 
     def __init__(self) -> None:
-        from . import _report
+        from ._engine import records as _report
 
         self._report_mod = _report
         self._resets = 0
@@ -450,10 +450,10 @@ class OpcontractsEnv:
 def _reset_state() -> None:
     import opcontracts
 
-    from . import _enforce
+    from ._engine import violations
 
     opcontracts.reset_report()
-    _enforce.reset_warnings()
+    violations.reset_warnings()
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ the golden run (a router switched to fp32, a tensor that lost a dimension, a fla
 top of the shipped rules.  Sizes are not recorded (they change with the batch); integer
 arguments that follow the batch size may need their ``allowed`` line deleted by hand.
 
-The recorder is an observer of the layer over the patch's guards (``_observe``): off, nothing is
+The recorder is an observer of the layer over the patch's guards (``_observers.layer``): off, nothing is
 installed; on, each guarded call costs the layer's dispatch and one pass over its arguments.
 """
 
@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from . import _observe
-from ._contract_out import dumps_contracts, stack_text, utc_now
-from ._observe import Call, Observer
+from ._observers import layer
+from ._observers.contract_out import dumps_contracts, stack_text, utc_now
+from ._observers.layer import Call, Observer
 
 __all__ = ["Recorder"]
 
@@ -85,14 +85,14 @@ class Recorder(Observer):
 
     def enable(self) -> Recorder:
         if self.watch:
-            _observe.watch(self.watch, source="opcontracts.record")
-        _observe.attach(self, who="opcontracts.record")
+            layer.watch(self.watch, source="opcontracts.record")
+        layer.attach(self, who="opcontracts.record")
         self._enabled = True
         return self
 
     def disable(self) -> Recorder:
         if self._enabled:
-            _observe.detach(self)
+            layer.detach(self)
             self._enabled = False
         return self
 
@@ -106,7 +106,7 @@ class Recorder(Observer):
     # ----------------------------------------------------------------- recording
     def begin(self, call: Call) -> Any:
         assert call.args is not None and call.kwargs is not None
-        names = _observe.param_names(call.fn)
+        names = layer.param_names(call.fn)
         bound: dict[str, Any] = {}
         for i, v in enumerate(call.args):
             bound[names[i] if i < len(names) else f"args[{i}]"] = v

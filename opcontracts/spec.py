@@ -41,8 +41,8 @@ from pydantic import (
     model_validator,
 )
 
-from ._dtypes import dtype_name, parse_dtype
-from ._shapes import parse_shape
+from ._lang.dtypes import dtype_name, parse_dtype
+from ._lang.shapes import parse_shape
 from .errors import ContractFileError, FileProblem
 
 if sys.version_info >= (3, 11):

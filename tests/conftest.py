@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 
 import opcontracts
-from opcontracts import _enforce, _modes
+from opcontracts._engine import violations
+from opcontracts._lang import modes
 
 
 @pytest.fixture(autouse=True)
@@ -24,37 +25,37 @@ def _clean_opcontracts_state() -> Iterator[None]:
     ``test_learnt_repair_is_not_taken_for_other_metadata``).  Every other warning still shows.
     """
     prev = opcontracts.set_mode("warn")
-    _modes.clear_overrides()
+    modes.clear_overrides()
     opcontracts.reset_report()
-    _enforce.reset_warnings()
+    violations.reset_warnings()
     with warnings.catch_warnings():
         warnings.simplefilter("default")
         warnings.filterwarnings("ignore", category=opcontracts.ContractWarning)
         yield
     opcontracts.set_mode(prev)
-    _modes.clear_overrides()
+    modes.clear_overrides()
     opcontracts.reset_report()
-    _enforce.reset_warnings()
+    violations.reset_warnings()
 
 
 @pytest.fixture(autouse=True)
 def _registry_restored() -> Iterator[None]:
     """Contracts a test registers do not outlive it (``opcontracts list`` counts them all)."""
-    from opcontracts import _registry
+    from opcontracts._engine import registry
 
-    with _registry._lock:
-        before = {op: list(cs) for op, cs in _registry._by_op.items()}
-        loaded = _registry._shipped_loaded
+    with registry._lock:
+        before = {op: list(cs) for op, cs in registry._by_op.items()}
+        loaded = registry._shipped_loaded
     yield
-    with _registry._lock:
-        now = {op: list(cs) for op, cs in _registry._by_op.items()}
+    with registry._lock:
+        now = {op: list(cs) for op, cs in registry._by_op.items()}
         if {op: [id(c) for c in cs] for op, cs in now.items()} != \
                 {op: [id(c) for c in cs] for op, cs in before.items()} \
-                or _registry._shipped_loaded != loaded:
-            _registry._by_op.clear()
-            _registry._by_op.update(before)
-            _registry._shipped_loaded = loaded
-            _registry.invalidate()  # guards made during the test decide anew
+                or registry._shipped_loaded != loaded:
+            registry._by_op.clear()
+            registry._by_op.update(before)
+            registry._shipped_loaded = loaded
+            registry.invalidate()  # guards made during the test decide anew
 
 
 @pytest.fixture

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import opcontracts
-from opcontracts import Arg, Contract, ContractViolation, ValueRule, _registry
+from opcontracts import Arg, Contract, ContractViolation, ValueRule
+from opcontracts._engine import registry
 
 bf16, f32, i32, i64 = torch.bfloat16, torch.float32, torch.int32, torch.int64
 
@@ -268,9 +269,9 @@ def test_check_without_calling():
         with opcontracts.mode("off"), pytest.raises(ContractViolation):
             opcontracts.check("unpermute", t(8, 16), t(8, dtype=i32), t(4, 2, dtype=f32))
     finally:
-        from opcontracts import _registry
+        from opcontracts._engine import registry
 
-        _registry.unregister("unpermute")
+        registry.unregister("unpermute")
     with pytest.raises(opcontracts.UnknownOpError):
         opcontracts.check("unpermute", t(8, 16))
 
@@ -302,7 +303,7 @@ def test_dtype_if_present_allows_a_mode_chosen_by_an_optional_argument():
     other = Contract("q", {"x": Arg("bf16"),
                            "w": Arg("bf16", dtype_if_present={"scale": ["int8", "uint8"]}),
                            "scale": Arg(optional=True)}, when={"cann": ">=99"})
-    merged = _registry.merge_contracts([c, other])
+    merged = registry.merge_contracts([c, other])
     assert merged.args["w"].dtype_if_present == {"scale": ("int8",)}
     with pytest.raises(opcontracts.ContractFileError, match="dtype_if_present"):
         Contract("q", {"w": Arg("bf16", dtype_if_present={"nope": ["int8"]})})

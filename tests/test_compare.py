@@ -1,4 +1,4 @@
-"""The shadow compare (``opcontracts.compare``) and msprobe's judging rules (``_judge``).
+"""The shadow compare (``opcontracts.compare``) and msprobe's judging rules (``_observers.judge``).
 
 The end-to-end tests run the demo's MoE model (``opcontracts demo``'s model file, on the CPU
 emulation with the ``incident`` profile, under ``opcontracts.patch``) with every contract off;
@@ -17,8 +17,11 @@ import torch
 
 import opcontracts
 import opcontracts.patch as patch
-from opcontracts import Arg, Contract, _observe, _registry, demo, emulation, reference
-from opcontracts._judge import judge, thresholds_for
+from opcontracts import Arg, Contract, emulation, reference
+from opcontracts._engine import registry
+from opcontracts._observers import layer
+from opcontracts._observers.judge import judge, thresholds_for
+from opcontracts._tools import demo
 from opcontracts.compare import DivergenceError, ShadowCompare
 from opcontracts.nan import NanSentinel
 
@@ -202,7 +205,7 @@ def ops() -> Iterator[types.ModuleType]:
     """``compare_test_ops`` with guarded functions (contracts of their own); patch, registry
     and references restored after."""
     was_patched = patch.is_applied()
-    before = {c.op for c in _registry.all_contracts()}
+    before = {c.op for c in registry.all_contracts()}
     mod = types.ModuleType(MOD)
     mod.scale, mod.noref, mod.index, mod.plain = _scale, _noref, _index, _plain
     sys.modules[MOD] = mod
@@ -223,7 +226,7 @@ def ops() -> Iterator[types.ModuleType]:
         del sys.modules[MOD]
         for op in ("t.scale", "t.noref", "t.index", "t.plain"):  # the test's own, nothing else
             if op not in before:  # (unregistering all new ops dropped the shipped packs too)
-                _registry.unregister(op)
+                registry.unregister(op)
         if was_patched:
             patch.apply()
 
@@ -340,7 +343,7 @@ def test_off_installs_nothing_and_shares_the_layer_with_the_sentinel(
     ops.scale(torch.ones(2), torch.ones(2))
     assert s.result().calls == 1 and sc.result().checked == 0
     s.disable()
-    assert ops.scale is guard and _observe.attached() == []
+    assert ops.scale is guard and layer.attached() == []
 
 
 def test_device_same_keeps_the_reference_on_the_call_device(ops: types.ModuleType) -> None:
@@ -349,9 +352,9 @@ def test_device_same_keeps_the_reference_on_the_call_device(ops: types.ModuleTyp
     assert sc.result().checked == 1 and sc.result().first is None
 
 
-@pytest.mark.skipif(not _observe._empty_contract_compiles(),
+@pytest.mark.skipif(not layer._empty_contract_compiles(),
                     reason="watching an op without a contract needs the checker to compile a "
-                           "contract without rules (opcontracts/_compile.py)")
+                           "contract without rules (opcontracts/_engine/compile.py)")
 def test_an_op_with_a_reference_but_no_contract_is_compared(ops: types.ModuleType) -> None:
     reference.register("t.plain", lambda x, w: x * w + 1, source="test")
     with opcontracts.mode("strict"), ShadowCompare(watch={"t.plain": f"{MOD}.plain"}) as sc:

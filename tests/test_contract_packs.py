@@ -23,16 +23,18 @@ import pytest
 import torch
 
 import opcontracts
-from opcontracts import Contract, ContractViolation, _registry, _versions
-from opcontracts._dtypes import parse_dtype
-from opcontracts._shapes import parse_shape
+from opcontracts import Contract, ContractViolation
+from opcontracts._engine import registry
+from opcontracts._lang import versions
+from opcontracts._lang.dtypes import parse_dtype
+from opcontracts._lang.shapes import parse_shape
 from opcontracts.probe import _resolve  # the probe's own target lookup
 from opcontracts.spec import load_contracts
 
 emulation = pytest.importorskip("opcontracts.emulation")
 from opcontracts.emulation import _kernels  # noqa: E402  (reference kernels, no dtype misreading)
 
-SHIPPED = load_contracts(_registry.shipped_contracts_dir())
+SHIPPED = load_contracts(registry.shipped_contracts_dir())
 N, K, H, E = 4, 2, 8, 4
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -64,7 +66,7 @@ def emu() -> Iterator[Any]:
     finally:
         if not was:
             emulation.uninstall()
-        _versions.refresh()
+        versions.refresh()
         if patched:
             patch.apply()
 
@@ -73,18 +75,18 @@ def emu() -> Iterator[Any]:
 def restore_globals() -> Iterator[None]:
     """Registry, version pins and value checks are put back as they were; the shipped packs
     are registered for the test (whatever an earlier test unregistered)."""
-    before, loaded = _registry.all_contracts(), _registry._shipped_loaded
-    pins = _versions.set_versions()  # no change: just the current pins
+    before, loaded = registry.all_contracts(), registry._shipped_loaded
+    pins = versions.set_versions()  # no change: just the current pins
     values = opcontracts.set_value_checks(False)
-    _registry.register(SHIPPED, replace=True)
+    registry.register(SHIPPED, replace=True)
     try:
         yield
     finally:
         opcontracts.set_value_checks(values)
-        _versions.set_versions(**pins)
-        _registry.clear()
-        _registry.register(before, replace=True)
-        _registry._shipped_loaded = loaded
+        versions.set_versions(**pins)
+        registry.clear()
+        registry.register(before, replace=True)
+        registry._shipped_loaded = loaded
 
 
 def _profile_for(c: Contract) -> str:
@@ -291,7 +293,7 @@ def _reference(op: str) -> Callable[..., Any]:
 
 
 def test_every_shipped_file_loads_and_every_op_has_a_case() -> None:
-    folder = _registry.shipped_contracts_dir()
+    folder = registry.shipped_contracts_dir()
     files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*.toml"))
     assert any(f.startswith("torch_npu/") for f in files)
     assert any(f.startswith("mindspeed/") for f in files)
@@ -339,9 +341,9 @@ def test_resolved_contracts_accept_conforming_calls_by_op_name(emu: Any) -> None
     opcontracts.set_versions(torch_npu="2.13.0", cann="8.0.0", soc="Ascend910B3")
     with opcontracts.mode("strict"):
         for op, build in BUILDERS.items():
-            resolved = _registry.resolve(op)
+            resolved = registry.resolve(op)
             if resolved is None:  # its tables are for other chips (npu_dynamic_mx_quant: 950)
-                assert all(c.when is not None and c.when.soc for c in _registry.candidates(op))
+                assert all(c.when is not None and c.when.soc for c in registry.candidates(op))
                 continue
             args, kwargs = build(resolved)
             target = _resolve(resolved.targets[0])
@@ -732,7 +734,7 @@ def test_unchecked_fp32_probs_give_wrong_results_on_the_default_profile(emu: Any
 
 
 def test_emulation_stand_in_is_detected_as_such(emu: Any) -> None:
-    env = _versions.current()
+    env = versions.current()
     assert env.torch_npu == emu.__version__ == "2.13.0"
     assert "torch_npu" in env.emulated and "emulation" in env.origin("torch_npu")
 

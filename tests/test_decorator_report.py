@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import opcontracts
-from opcontracts import Arg, Contract, ContractViolation, _report
+from opcontracts import Arg, Contract, ContractViolation
+from opcontracts._engine import records as _report
 
 
 @opcontracts.enforce

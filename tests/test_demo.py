@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 import opcontracts
-from opcontracts import demo, emulation, nan
+from opcontracts import cli, emulation, nan
+from opcontracts._tools import demo
 
 
 def _state() -> tuple[object, ...]:
@@ -25,7 +26,7 @@ def test_four_outcomes_json_sentinel_and_state_restored(tmp_path: Path,
                                                          ) -> None:
     before = _state()
     out = tmp_path / "demo.json"
-    assert demo.main(["--nan-check", "--json", str(out)]) == 0
+    assert cli.main(["demo", "--nan-check", "--json", str(out)]) == 0
     assert _state() == before
 
     printed = capsys.readouterr().out
@@ -81,7 +82,7 @@ def test_deterministic_and_no_sentinel_by_default() -> None:
 def test_refuses_when_a_real_torch_npu_is_present(monkeypatch: pytest.MonkeyPatch,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(demo, "_real_torch_npu", lambda: "torch_npu is importable from /x")
-    assert demo.main([]) == 2
+    assert cli.main(["demo"]) == 2
     assert "real torch_npu" in capsys.readouterr().err
 
 

@@ -29,7 +29,8 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from opcontracts import _demo_dist, _modpath, demo
+from opcontracts._observers import modpath
+from opcontracts._tools import demo, demo_dist
 from opcontracts.nan import NanEvent
 
 needs_gloo = pytest.mark.skipif(
@@ -57,7 +58,7 @@ def _job(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
                               timeout=TIMEOUT_S)
         print(f"{' '.join(cmd[1:6])} ...: {time.perf_counter() - t0:.1f} s, exit "
               f"{proc.returncode}")
-        if proc.returncode == 0 or attempt == 2 or not _demo_dist._port_clash(
+        if proc.returncode == 0 or attempt == 2 or not demo_dist._port_clash(
                 proc.stdout + proc.stderr):
             return proc
     raise AssertionError("unreachable")
@@ -247,7 +248,7 @@ def test_guards_memo_and_fix_on_fsdp_tensors(tmp_path: Path) -> None:
     ("MoEModel > MoELayer", "MoEModel > MoELayer"),  # not registered under the root
 ])
 def test_module_paths_without_wrappers(path: str | None, clean: str | None) -> None:
-    assert _modpath.clean(path) == clean
+    assert modpath.clean(path) == clean
 
 
 def _event(module: str | None) -> NanEvent:
@@ -301,11 +302,11 @@ def test_launch_retries_once_on_a_port_clash(monkeypatch: pytest.MonkeyPatch) ->
 
     monkeypatch.setattr(api, "elastic_launch", fake(
         [RuntimeError("The server socket has failed to listen: Address already in use"), None]))
-    assert _demo_dist.launch(2, print) == {0: 0, 1: 0}
+    assert demo_dist.launch(2, print) == {0: 0, 1: 0}
     assert len(calls) == 2 and calls[0] != calls[1]  # a new rendezvous the second time
 
     calls.clear()
     monkeypatch.setattr(api, "elastic_launch", fake([RuntimeError("something else"), None]))
-    with pytest.raises(_demo_dist.LaunchError, match="something else"):
-        _demo_dist.launch(2, print)
+    with pytest.raises(demo_dist.LaunchError, match="something else"):
+        demo_dist.launch(2, print)
     assert len(calls) == 1  # no retry for other failures

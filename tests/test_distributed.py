@@ -22,8 +22,9 @@ import pytest
 import torch.distributed as dist
 
 import opcontracts
-from opcontracts import _report, cli
-from opcontracts._dist import format_merged, gather_report, merge_files
+from opcontracts import cli
+from opcontracts._engine import records as _report
+from opcontracts._ranks.gather import format_merged, gather_report, merge_files
 
 SCRIPT = '''
 """Two-rank data-parallel MoE steps on the CPU emulation; only rank 1 passes fp32 probs."""

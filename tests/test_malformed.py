@@ -220,15 +220,15 @@ def test_a_folder_of_them_is_one_error_listing_every_file(corpus: Path):
 
 
 def test_through_the_environment_every_file_is_skipped_with_a_warning(corpus: Path, monkeypatch):
-    from opcontracts import _envwarn
-    from opcontracts._use import env_contracts as _user_contracts
+    from opcontracts._attach.use import env_contracts as _user_contracts
+    from opcontracts._lang import envwarn
 
     good = corpus.parent / "good_contracts"
     good.mkdir(exist_ok=True)
     (good / "ok.toml").write_text('[[contract]]\nop = "fuzz_ok"\n[contract.args.a]\ndtype = "bf16"\n')
     monkeypatch.setenv("OPCONTRACTS_CONTRACTS",
                        os.pathsep.join([str(corpus), str(good), str(corpus / "missing.toml")]))
-    _envwarn.reset()
+    envwarn.reset()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         loaded = _user_contracts()

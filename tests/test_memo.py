@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import opcontracts
-from opcontracts import Arg, Contract, ContractViolation, ValueRule, _memo
+from opcontracts import Arg, Contract, ContractViolation, ValueRule
+from opcontracts._engine import memo
 
 BF16, I32 = torch.bfloat16, torch.int32
 UNPERMUTE = Contract("memo_unpermute", {
@@ -33,7 +34,7 @@ def good(n: int = 4, k: int = 2, h: int = 8):
 def counted(monkeypatch):
     """Count the memo's hits: wrap every check it learns."""
     hits: list[int] = []
-    real = _memo.learn
+    real = memo.learn
 
     def learn(args, static, kwargs=None):
         check = real(args, static, kwargs)
@@ -45,12 +46,12 @@ def counted(monkeypatch):
             hits.append(ok)
             return ok
         return counting
-    monkeypatch.setattr(_memo, "learn", learn)
+    monkeypatch.setattr(memo, "learn", learn)
     return hits
 
 
 def test_available_on_this_torch():
-    assert _memo.available()
+    assert memo.available()
 
 
 def test_second_conforming_call_is_answered_by_the_memo(counted):
@@ -92,24 +93,24 @@ def test_memo_is_bounded():
     f = opcontracts.enforce(UNPERMUTE)(noop)
     with opcontracts.mode("strict"):
         for _ in range(3):
-            for n in range(1, _memo.CAPACITY + 1):
+            for n in range(1, memo.CAPACITY + 1):
                 f(*good(n, 2))
-        assert len(f.__opcontracts_memo__[3]) == _memo.CAPACITY
+        assert len(f.__opcontracts_memo__[3]) == memo.CAPACITY
 
 
 def test_a_call_that_cannot_be_learnt_does_not_drop_a_full_memo():
     f = opcontracts.enforce(UNPERMUTE)(noop)
-    for n in range(1, _memo.CAPACITY + 1):
+    for n in range(1, memo.CAPACITY + 1):
         f(*good(n, 2), None)
-    for _ in range(3 * _memo.CAPACITY):
+    for _ in range(3 * memo.CAPACITY):
         f(*good(1, 2), [2, 8])  # a list: not described by a learnt check
-    assert len(f.__opcontracts_memo__[4]) == _memo.CAPACITY
+    assert len(f.__opcontracts_memo__[4]) == memo.CAPACITY
 
 
 def test_ever_changing_shapes_drop_the_memo_for_good(counted):
     f = opcontracts.enforce(UNPERMUTE)(noop)
     with opcontracts.mode("strict"):
-        for n in range(1, _memo.CAPACITY + 2):
+        for n in range(1, memo.CAPACITY + 2):
             f(*good(n, 2))
         assert f.__opcontracts_memo__[3] == ()
         del counted[:]
@@ -223,9 +224,9 @@ def test_autograd_state_and_parameters_are_separate_signatures():
 
 
 def test_memo_off_by_environment(monkeypatch):
-    monkeypatch.setattr(_memo, "_state", [None])
+    monkeypatch.setattr(memo, "_state", [None])
     monkeypatch.setenv("OPCONTRACTS_MEMO", "0")
-    assert not _memo.available()
+    assert not memo.available()
     f = opcontracts.enforce(UNPERMUTE)(noop)
     with opcontracts.mode("strict"):
         f(*good())
@@ -238,9 +239,9 @@ def test_memo_off_by_environment(monkeypatch):
 def test_a_torch_without_the_private_api_leaves_the_memo_off(monkeypatch):
     def broken(*a, **k):
         raise TypeError("TensorGuards() takes no arguments")
-    monkeypatch.setattr(_memo, "_state", [None])
-    monkeypatch.setattr(_memo, "_build", broken)
-    assert not _memo.available()
+    monkeypatch.setattr(memo, "_state", [None])
+    monkeypatch.setattr(memo, "_build", broken)
+    assert not memo.available()
     f = opcontracts.enforce(UNPERMUTE)(noop)
     with opcontracts.mode("strict"):
         assert f(*good()) == "called"

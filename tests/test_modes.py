@@ -115,7 +115,7 @@ def test_off_never_calls_the_checker():
         return real(*a, **k)
 
     # rebuild a guard around a spying checker
-    from opcontracts._enforce import make_guard
+    from opcontracts._engine.enforce import make_guard
 
     f.__opcontracts__.check = spy
     g = make_guard(f.__wrapped__, f.__opcontracts__)

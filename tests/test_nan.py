@@ -19,7 +19,8 @@ from torch import nn
 
 import opcontracts
 import opcontracts.patch as patch
-from opcontracts import Arg, Contract, _registry, nan
+from opcontracts import Arg, Contract, nan
+from opcontracts._engine import registry
 from opcontracts.nan import NanSentinel, NonFiniteError
 
 MOD = "nan_test_ops"
@@ -57,7 +58,7 @@ def _pair(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 def ops() -> Iterator[types.ModuleType]:
     """``nan_test_ops`` with four guarded functions; patch and registry restored after."""
     was_patched = patch.is_applied()
-    before = {c.op for c in _registry.all_contracts()}
+    before = {c.op for c in registry.all_contracts()}
     mod = types.ModuleType(MOD)
     for name, fn in (("good", _good), ("bad_forward", _bad_forward),
                      ("bad_backward", _bad_backward), ("pair", _pair)):
@@ -74,9 +75,9 @@ def ops() -> Iterator[types.ModuleType]:
             s.disable()
         patch.unpatch()
         del sys.modules[MOD]
-        for c in _registry.all_contracts():
+        for c in registry.all_contracts():
             if c.op not in before:
-                _registry.unregister(c.op)
+                registry.unregister(c.op)
         if was_patched:
             patch.apply()
 

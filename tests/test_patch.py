@@ -16,7 +16,8 @@ import torch
 
 import opcontracts
 import opcontracts.patch as patch
-from opcontracts import Arg, Contract, ContractViolation, _registry
+from opcontracts import Arg, Contract, ContractViolation
+from opcontracts._engine import registry
 
 PKG = "octest_pkg"
 
@@ -73,12 +74,12 @@ def pkg(tmp_path: Path) -> Iterator[Path]:
 @pytest.fixture
 def clean_patch() -> Iterator[None]:
     patch.unpatch()
-    ops_before = {c.op for c in _registry.all_contracts()}
+    ops_before = {c.op for c in registry.all_contracts()}
     yield
     patch.unpatch()
-    for c in _registry.all_contracts():
+    for c in registry.all_contracts():
         if c.op not in ops_before:
-            _registry.unregister(c.op)
+            registry.unregister(c.op)
 
 
 BAD = torch.ones(2, 3)  # fp32 where bf16 is required

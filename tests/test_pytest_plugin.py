@@ -15,7 +15,7 @@ import time
 import pytest
 
 import opcontracts
-from opcontracts import _report
+from opcontracts._engine import records
 from opcontracts.pytest_plugin import _Tracker
 
 pytest_plugins = ["pytester"]
@@ -255,7 +255,7 @@ def test_captured_overload(opcontracts_env):
 
 # --------------------------------------------------------------------------- in-process parts
 def _violate(site: str = "t.py:1 in f", mode: str = "strict") -> None:
-    _report.record("op_a", "x", "dtype", site, mode, "op_a: argument 'x' ...")
+    records.record("op_a", "x", "dtype", site, mode, "op_a: argument 'x' ...")
 
 
 def test_tracker_counts_only_what_is_new() -> None:
@@ -273,7 +273,7 @@ def test_tracker_counts_only_what_is_new() -> None:
         assert tracker.delta() == ([], 0)
     finally:
         tracker.close()
-    assert tracker._on_reset not in _report._reset_callbacks
+    assert tracker._on_reset not in records._reset_callbacks
 
 
 def test_tracker_survives_a_reset_during_the_test() -> None:
@@ -290,7 +290,7 @@ def test_tracker_survives_a_reset_during_the_test() -> None:
 
 
 def test_tracker_counts_violations_beyond_the_record_limit(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_report, "MAX_RECORDS", 1)
+    monkeypatch.setattr(records, "MAX_RECORDS", 1)
     tracker = _Tracker()
     try:
         tracker.begin()

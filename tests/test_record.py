@@ -14,7 +14,10 @@ import torch
 
 import opcontracts
 import opcontracts.patch as patch
-from opcontracts import Arg, Contract, _observe, _registry, _run
+from opcontracts import Arg, Contract
+from opcontracts._engine import registry
+from opcontracts._observers import layer
+from opcontracts._tools import run
 from opcontracts.record import Recorder
 from opcontracts.spec import load_contracts
 
@@ -35,7 +38,7 @@ def ops() -> Iterator[types.ModuleType]:
     """``record_test_ops.route`` guarded by a permissive contract (bf16 or fp32 probs, any k):
     the shipped-contract situation where a golden run is stricter than the rules."""
     was_patched = patch.is_applied()
-    before = {c.op for c in _registry.all_contracts()}
+    before = {c.op for c in registry.all_contracts()}
     mod = types.ModuleType(MOD)
     mod.route, mod.plain = _route, _plain
     sys.modules[MOD] = mod
@@ -47,9 +50,9 @@ def ops() -> Iterator[types.ModuleType]:
     finally:
         patch.unpatch()
         del sys.modules[MOD]
-        for c in _registry.all_contracts():
+        for c in registry.all_contracts():
             if c.op not in before:
-                _registry.unregister(c.op)
+                registry.unregister(c.op)
         if was_patched:
             patch.apply()
 
@@ -84,7 +87,7 @@ def test_recorder_keeps_dtypes_ranks_constants_and_none(ops: types.ModuleType) -
     assert c["args"]["k"] == {"allowed": [2]} and c["args"]["mode"] == {"allowed": ["top"]}
     assert "train.py" in c["source"] and "torch " in c["source"] and "opcontracts" in c["source"]
     assert c["when"] == {"torch": ">=0"}
-    assert _observe.attached() == []  # off again: nothing installed
+    assert layer.attached() == []  # off again: nothing installed
 
 
 def test_run_record_then_drift_is_flagged(ops: types.ModuleType, tmp_path: Path,
@@ -92,7 +95,7 @@ def test_run_record_then_drift_is_flagged(ops: types.ModuleType, tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     golden = tmp_path / "golden.toml"
     script = _script(tmp_path)
-    assert _run.main(["--record", str(golden), str(script), "bfloat16"]) == 0
+    assert run.main(["--record", str(golden), str(script), "bfloat16"]) == 0
     err = capsys.readouterr().err
     assert f"golden run recorded to {golden}" in err
     (c,) = load_contracts(golden)  # a contract file like any other
@@ -104,16 +107,16 @@ def test_run_record_then_drift_is_flagged(ops: types.ModuleType, tmp_path: Path,
     text = golden.read_text()
     assert "OPCONTRACTS_CONTRACTS" in text and text.startswith("# Golden run recorded")
     # the same step with fp32 probs passes the permissive contract ...
-    assert _run.main(["--mode", "strict", str(script), "float32"]) == 0
+    assert run.main(["--mode", "strict", str(script), "float32"]) == 0
     capsys.readouterr()
     # ... and is flagged as a drift from the golden run once it is loaded
     monkeypatch.setenv("OPCONTRACTS_CONTRACTS", str(golden))
-    assert _run.main(["--mode", "strict", str(script), "float32"]) == 1
+    assert run.main(["--mode", "strict", str(script), "float32"]) == 1
     err = capsys.readouterr().err
     assert "ContractViolation" in err and "argument 'probs' has dtype float32" in err
     assert "recorded by opcontracts run --record" in err  # the rule names the golden run
     monkeypatch.setenv("OPCONTRACTS_CONTRACTS", str(golden))
-    assert _run.main(["--mode", "strict", str(script), "bfloat16"]) == 0  # no drift
+    assert run.main(["--mode", "strict", str(script), "bfloat16"]) == 0  # no drift
 
 
 def test_record_under_the_shipped_rules_keeps_them(ops: types.ModuleType, tmp_path: Path) -> None:
@@ -121,8 +124,8 @@ def test_record_under_the_shipped_rules_keeps_them(ops: types.ModuleType, tmp_pa
     with Recorder() as rec:
         ops.route(torch.ones(2, 2), torch.ones(2, 2))
     path = rec.write(tmp_path / "g.toml", script="s.py")
-    _registry.register(load_contracts(path), replace=True)
-    merged = _registry.resolve("t.route")
+    registry.register(load_contracts(path), replace=True)
+    merged = registry.resolve("t.route")
     assert merged is not None
     assert merged.args["x"].dtype == ("float32",)  # the golden dtype, within the shipped set
     assert "test: permissive" in (merged.source or "") and "recorded" in (merged.source or "")
@@ -130,9 +133,9 @@ def test_record_under_the_shipped_rules_keeps_them(ops: types.ModuleType, tmp_pa
         ops.route(torch.ones(2, 2, dtype=torch.bfloat16))
 
 
-@pytest.mark.skipif(not _observe._empty_contract_compiles(),
+@pytest.mark.skipif(not layer._empty_contract_compiles(),
                     reason="--record-target needs the checker to compile a contract without "
-                           "rules (opcontracts/_compile.py)")
+                           "rules (opcontracts/_engine/compile.py)")
 def test_record_target_without_a_contract(ops: types.ModuleType, tmp_path: Path) -> None:
     with Recorder(watch={f"{MOD}.plain": f"{MOD}.plain"}) as rec:
         ops.plain(torch.ones(3, dtype=torch.float16), scale=0.5)
@@ -143,7 +146,7 @@ def test_record_target_without_a_contract(ops: types.ModuleType, tmp_path: Path)
 
 
 def test_record_target_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
-    assert _run.main(["--record-target", "a.b", "s.py"]) == 2
+    assert run.main(["--record-target", "a.b", "s.py"]) == 2
     assert "--record-target needs --record FILE" in capsys.readouterr().err
-    assert _run.main(["--record", "g.toml", "--record-target", "notdotted", "s.py"]) == 2
+    assert run.main(["--record", "g.toml", "--record-target", "notdotted", "s.py"]) == 2
     assert "expected a dotted path" in capsys.readouterr().err

@@ -15,7 +15,8 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 
-from opcontracts import _registry, reference
+from opcontracts import reference
+from opcontracts._engine import registry
 from opcontracts.emulation import OP_NAMES
 
 
@@ -26,8 +27,8 @@ def _example(name: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
 
 
 def test_every_shipped_contract_op_and_every_emulated_op_has_a_reference_and_example() -> None:
-    _registry.load_shipped()
-    ops = {c.op for c in _registry.all_contracts()} | set(OP_NAMES)
+    registry.load_shipped()
+    ops = {c.op for c in registry.all_contracts()} | set(OP_NAMES)
     missing = [op for op in sorted(ops) if reference.get(op) is None]
     assert missing == []
     no_example = [op for op in sorted(ops) if reference.get(op).example is None]  # type: ignore[union-attr]

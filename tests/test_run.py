@@ -17,7 +17,7 @@ import pytest
 import torch.distributed as dist
 
 import opcontracts
-from opcontracts import _run
+from opcontracts._tools import run as _run
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -39,7 +39,7 @@ def test_strict_stops_the_buggy_step_with_traceback_and_report(tmp_path: Path) -
     assert p.returncode == 1, p.stderr
     err = p.stderr
     assert "Traceback (most recent call last)" in err and "ContractViolation" in err
-    assert "<frozen runpy>" not in err and "_run.py" not in err  # the user's frames only
+    assert "<frozen runpy>" not in err and "run.py" not in err  # the user's frames only
     assert 'File "examples/moe_step.py"' in err
     # the report, after the traceback
     table = err[err.index("opcontracts: 1 contract violation(s)"):]

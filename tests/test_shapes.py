@@ -1,6 +1,6 @@
 import pytest
 
-from opcontracts._shapes import eval_dim, parse_shape
+from opcontracts._lang.shapes import eval_dim, parse_shape
 
 
 def test_parse_kinds():

@@ -8,7 +8,7 @@ from pydantic import ValidationError
 
 import opcontracts
 from opcontracts import Arg, Contract, ContractFileError, load_contracts
-from opcontracts._dtypes import parse_dtype
+from opcontracts._lang.dtypes import parse_dtype
 
 GOOD = """
 [[contract]]

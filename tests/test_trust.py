@@ -14,7 +14,9 @@ import torch
 
 import opcontracts
 import opcontracts.patch as patch
-from opcontracts import Arg, Contract, ContractViolation, _registry, _report, emulation
+from opcontracts import Arg, Contract, ContractViolation, emulation
+from opcontracts._engine import records as _report
+from opcontracts._engine import registry
 
 
 @pytest.fixture
@@ -51,12 +53,12 @@ def test_patched_guard_follows_register_replace(emu: Any) -> None:
     x = torch.randn(4, 8, dtype=torch.bfloat16)
     emu.npu_swiglu(x)
     emu.npu_swiglu(x)
-    old = _registry.get_contract("npu_swiglu")
+    old = registry.get_contract("npu_swiglu")
     narrowed = old.model_copy(update={"args": {**old.args, "self": Arg("fp16")}})
-    _registry.register(narrowed, replace=True)
+    registry.register(narrowed, replace=True)
     with pytest.raises(ContractViolation, match="self"):
         emu.npu_swiglu(x)
-    _registry.register(old, replace=True)
+    registry.register(old, replace=True)
     emu.npu_swiglu(x)
 
 
@@ -338,10 +340,10 @@ def test_merged_sources_do_not_repeat() -> None:
     a = Contract("trust_o19", {"x": Arg("bf16", source="doc A + doc B")}, source="pack A + B; C")
     b = Contract("trust_o19", {"x": Arg("bf16", source="doc B")}, source="C",
                  when={"soc": "Ascend910B"})
-    m = _registry.merge_contracts([a, b])
+    m = registry.merge_contracts([a, b])
     assert m.args["x"].source == "doc A; doc B"
     assert m.source == "pack A; B; C"
-    again = _registry.merge_contracts([m, b])
+    again = registry.merge_contracts([m, b])
     assert again.source == "pack A; B; C" and again.args["x"].source == "doc A; doc B"
 
 
@@ -380,9 +382,9 @@ def test_merging_a_user_contract_never_kills_the_job(tmp_path: Any) -> None:
                  '[contract.args.self]\nshape = "N H"\ndims = {H = {le = 4}}\n')
     opcontracts.set_versions(cann="unknown")
     try:
-        _registry.load_shipped()
-        _registry.register(opcontracts.load_contracts(f))
-        merged = _registry.resolve("npu_swiglu")
+        registry.load_shipped()
+        registry.register(opcontracts.load_contracts(f))
+        merged = registry.resolve("npu_swiglu")
         assert merged is not None and "user" in (merged.source or "")
         patch.unpatch()
         patch.apply()
@@ -448,7 +450,7 @@ def test_other_settings_are_read_or_refused_out_loud(var: str, value: str, expec
     import sys
 
     env = {**os.environ, var: value}
-    code = ("import opcontracts.patch, opcontracts._versions as v; "
+    code = ("import opcontracts.patch, opcontracts._lang.versions as v; "
             "print('cann', v.current().cann)")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == expect_rc, out.stderr

@@ -18,27 +18,36 @@ import pytest
 from packaging.version import Version
 
 import opcontracts
-from opcontracts import Arg, Contract, When, _registry, _versions, load_contracts
-from opcontracts._versions import Env, applies, explain, normalize_version, parse_version, satisfies
+from opcontracts import Arg, Contract, When, load_contracts
+from opcontracts._engine import registry
+from opcontracts._lang import versions
+from opcontracts._lang.versions import (
+    Env,
+    applies,
+    explain,
+    normalize_version,
+    parse_version,
+    satisfies,
+)
 
-_VARS = (*_versions.ENV_VARS.values(), *_versions.CANN_ROOT_VARS)
+_VARS = (*versions.ENV_VARS.values(), *versions.CANN_ROOT_VARS)
 
 
 @pytest.fixture(autouse=True)
 def isolated_versions(tmp_path: Path) -> Iterator[Path]:
     """No env vars, no CANN install, no pins; everything put back afterwards."""
     saved_env = {k: os.environ.pop(k) for k in _VARS if k in os.environ}
-    saved_roots = list(_versions.CANN_DEFAULT_ROOTS)
-    _versions.CANN_DEFAULT_ROOTS[:] = [str(tmp_path / "no-cann-here")]
-    prev = _versions.set_versions(torch_npu=None, cann=None, mindspeed=None, soc=None)
+    saved_roots = list(versions.CANN_DEFAULT_ROOTS)
+    versions.CANN_DEFAULT_ROOTS[:] = [str(tmp_path / "no-cann-here")]
+    prev = versions.set_versions(torch_npu=None, cann=None, mindspeed=None, soc=None)
     try:
         yield tmp_path
     finally:
         for k in _VARS:
             os.environ.pop(k, None)
         os.environ.update(saved_env)
-        _versions.CANN_DEFAULT_ROOTS[:] = saved_roots
-        _versions.set_versions(**prev)  # restores the pins and re-detects
+        versions.CANN_DEFAULT_ROOTS[:] = saved_roots
+        versions.set_versions(**prev)  # restores the pins and re-detects
 
 
 # --------------------------------------------------------------------------- normalisation
@@ -163,7 +172,7 @@ def test_explain_names_the_deciding_conditions() -> None:
 
 # --------------------------------------------------------------------------- detection
 def test_nothing_known_without_sources() -> None:
-    env = _versions.current()
+    env = versions.current()
     assert (env.torch_npu, env.cann, env.mindspeed, env.soc) == (None, None, None, None)
     assert env.torch is not None  # torch itself is always importable here
     assert env.origin("cann") == "unknown"
@@ -172,12 +181,12 @@ def test_nothing_known_without_sources() -> None:
 def test_detection_never_imports_torch_npu() -> None:
     if "torch_npu" in sys.modules:  # pragma: no cover - an emulation left installed
         pytest.skip("torch_npu already imported")
-    _versions.refresh()
+    versions.refresh()
     assert "torch_npu" not in sys.modules
 
 
 def test_current_is_cached() -> None:
-    assert _versions.current() is _versions.current()
+    assert versions.current() is versions.current()
 
 
 def test_env_var_overrides() -> None:
@@ -185,20 +194,20 @@ def test_env_var_overrides() -> None:
     os.environ["OPCONTRACTS_CANN_VERSION"] = "8.0.RC3"
     os.environ["OPCONTRACTS_MINDSPEED_VERSION"] = "2.1.0"
     os.environ["OPCONTRACTS_SOC"] = "Ascend910B3"
-    env = _versions.refresh()
+    env = versions.refresh()
     assert (env.torch_npu, env.cann, env.mindspeed, env.soc) == \
         ("2.7.1", "8.0.RC3", "2.1.0", "Ascend910B3")
     assert env.origin("cann") == "$OPCONTRACTS_CANN_VERSION"
-    d = _versions.describe(env)
+    d = versions.describe(env)
     assert d["cann"].startswith("8.0.RC3 (= 8.0rc3)") and "$OPCONTRACTS_CANN_VERSION" in d["cann"]
 
 
 def test_env_var_unknown_forces_unknown(isolated_versions: Path) -> None:
     _write_toolkit(isolated_versions / "tk", "8.0.0")
     os.environ["ASCEND_TOOLKIT_HOME"] = str(isolated_versions / "tk")
-    assert _versions.refresh().cann == "8.0.0"
+    assert versions.refresh().cann == "8.0.0"
     os.environ["OPCONTRACTS_CANN_VERSION"] = "unknown"
-    assert _versions.refresh().cann is None
+    assert versions.refresh().cann is None
 
 
 def _write_toolkit(root: Path, version: str, *, info: bool = True, cfg: str | None = None) -> Path:
@@ -216,7 +225,7 @@ def _write_toolkit(root: Path, version: str, *, info: bool = True, cfg: str | No
 def test_cann_from_toolkit_install_info(isolated_versions: Path) -> None:
     root = _write_toolkit(isolated_versions / "ascend-toolkit" / "latest", "8.0.RC3")
     os.environ["ASCEND_TOOLKIT_HOME"] = str(root)
-    env = _versions.refresh()
+    env = versions.refresh()
     assert env.cann == "8.0.RC3"
     assert "ascend_toolkit_install.info" in env.origin("cann")
     assert "$ASCEND_TOOLKIT_HOME" in env.origin("cann")
@@ -227,24 +236,24 @@ def test_cann_from_version_cfg(isolated_versions: Path) -> None:
            "toolkit_running_version=[7.6.0.1.220:8.0.0]\n")
     root = _write_toolkit(isolated_versions / "home", "", info=False, cfg=cfg)
     os.environ["ASCEND_HOME_PATH"] = str(root)
-    env = _versions.refresh()
+    env = versions.refresh()
     assert env.cann == "8.0.0"
     assert env.origin("cann").startswith(str(root / "version.cfg"))
 
 
 def test_cann_toolkit_home_wins_and_default_root_is_searched(isolated_versions: Path) -> None:
     default = _write_toolkit(isolated_versions / "default", "8.1.RC1")
-    _versions.CANN_DEFAULT_ROOTS[:] = [str(default)]
-    assert _versions.refresh().cann == "8.1.RC1"
+    versions.CANN_DEFAULT_ROOTS[:] = [str(default)]
+    assert versions.refresh().cann == "8.1.RC1"
     os.environ["ASCEND_HOME_PATH"] = str(_write_toolkit(isolated_versions / "home", "8.0.RC2"))
     os.environ["ASCEND_TOOLKIT_HOME"] = str(_write_toolkit(isolated_versions / "tk", "8.0.RC3"))
-    assert _versions.refresh().cann == "8.0.RC3"
+    assert versions.refresh().cann == "8.0.RC3"
     os.environ["OPCONTRACTS_CANN_VERSION"] = "8.0.0"
-    assert _versions.refresh().cann == "8.0.0"  # the explicit override beats every file
+    assert versions.refresh().cann == "8.0.0"  # the explicit override beats every file
 
 
 def test_torch_npu_from_package_metadata(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = _versions.metadata.version
+    real = versions.metadata.version
 
     def fake(name: str) -> str:
         if name == "torch-npu":
@@ -253,13 +262,13 @@ def test_torch_npu_from_package_metadata(monkeypatch: pytest.MonkeyPatch) -> Non
             return "0.12.1"
         return real(name)
 
-    monkeypatch.setattr(_versions.metadata, "version", fake)
-    env = _versions.refresh()
+    monkeypatch.setattr(versions.metadata, "version", fake)
+    env = versions.refresh()
     assert env.torch_npu == "2.7.1" and env.origin("torch_npu") == "package metadata (torch-npu)"
     assert env.mindspeed == "0.12.1"
     assert env.emulated == ()
     monkeypatch.undo()
-    _versions.refresh()
+    versions.refresh()
 
 
 def test_stand_in_module_is_noticed_without_refresh() -> None:
@@ -267,57 +276,57 @@ def test_stand_in_module_is_noticed_without_refresh() -> None:
     next ``current()``, and marked as an emulation."""
     if "torch_npu" in sys.modules:  # pragma: no cover
         pytest.skip("torch_npu already imported")
-    assert _versions.current().torch_npu is None
+    assert versions.current().torch_npu is None
     mod = types.ModuleType("torch_npu")
     mod.__version__ = "2.13.0"  # type: ignore[attr-defined]
     mod.__opcontracts_emulation__ = True  # type: ignore[attr-defined]
     sys.modules["torch_npu"] = mod
     try:
-        env = _versions.current()
+        env = versions.current()
         assert env.torch_npu == "2.13.0"
         assert env.emulated == ("torch_npu",)
         assert "emulation" in env.origin("torch_npu")
     finally:
         del sys.modules["torch_npu"]
-    assert _versions.current().torch_npu is None
+    assert versions.current().torch_npu is None
 
 
 # --------------------------------------------------------------------------- set_versions
 def test_set_versions_pins_and_returns_previous() -> None:
     os.environ["OPCONTRACTS_CANN_VERSION"] = "8.0.0"
-    _versions.refresh()
+    versions.refresh()
     prev = opcontracts.set_versions(cann="8.0.RC3", soc="Ascend910B1")
     assert prev == {"torch_npu": None, "cann": None, "mindspeed": None, "soc": None}
-    env = _versions.current()
+    env = versions.current()
     assert (env.cann, env.soc) == ("8.0.RC3", "Ascend910B1")
     assert env.origin("cann") == "set_versions()"
     again = opcontracts.set_versions(cann="8.1.RC1")
     assert again["cann"] == "8.0.RC3" and again["soc"] == "Ascend910B1"
     opcontracts.set_versions(**prev)
-    assert _versions.current().cann == "8.0.0"  # back to the env var
-    assert _versions.current().soc is None
+    assert versions.current().cann == "8.0.0"  # back to the env var
+    assert versions.current().soc is None
 
 
 def test_set_versions_unknown_and_validation() -> None:
     os.environ["OPCONTRACTS_TORCH_NPU_VERSION"] = "2.13.0"
     opcontracts.set_versions(torch_npu="unknown")
-    assert _versions.current().torch_npu is None
+    assert versions.current().torch_npu is None
     with pytest.raises(ValueError, match="not a version"):
         opcontracts.set_versions(cann="eight")
     with pytest.raises(TypeError):
         opcontracts.set_versions(cann=8)  # type: ignore[arg-type]
     with pytest.raises(ValueError):  # nothing is changed when one value is bad
         opcontracts.set_versions(soc="Ascend910B1", cann="")
-    assert _versions.current().soc is None
+    assert versions.current().soc is None
     assert "set_versions" in opcontracts.__all__
 
 
 def test_set_versions_without_arguments_rereads_the_environment() -> None:
-    assert _versions.current().cann is None
+    assert versions.current().cann is None
     os.environ["OPCONTRACTS_CANN_VERSION"] = "8.0.RC3"
-    assert _versions.current().cann is None  # cached
+    assert versions.current().cann is None  # cached
     opcontracts.set_versions()
-    assert _versions.current().cann == "8.0.RC3"
+    assert versions.current().cann == "8.0.RC3"
 
 
 # --------------------------------------------------------------------------- the registry
@@ -330,15 +339,15 @@ def two_versions() -> Iterator[str]:
                     when=When(cann=">=8.0.0"), source="new doc")
     narrow = Contract(op, {"t": Arg("bf16", "N H"), "p": Arg("bf16", optional=True)},
                       when=When(cann="<8.0.0"), source="old doc")
-    _registry.register([wide, narrow])
+    registry.register([wide, narrow])
     try:
         yield op
     finally:
-        _registry.unregister(op)
+        registry.unregister(op)
 
 
 def test_unknown_version_merges_into_the_strictest(two_versions: str) -> None:
-    c = _registry.resolve(two_versions)
+    c = registry.resolve(two_versions)
     assert c is not None
     assert c.args["t"].dtype == ("bfloat16",) and c.args["p"].dtype == ("bfloat16",)
     assert c.source == "new doc; old doc"
@@ -346,27 +355,27 @@ def test_unknown_version_merges_into_the_strictest(two_versions: str) -> None:
 
 def test_set_versions_invalidates_resolutions(two_versions: str) -> None:
     opcontracts.set_versions(cann="8.0.0")
-    c = _registry.resolve(two_versions)
+    c = registry.resolve(two_versions)
     assert c is not None and c.args["t"].dtype == ("bfloat16", "float16", "float32")
     opcontracts.set_versions(cann="8.0.RC3")  # no manual invalidate needed
-    c = _registry.resolve(two_versions)
+    c = registry.resolve(two_versions)
     assert c is not None and c.args["t"].dtype == ("bfloat16",) and c.source == "old doc"
     opcontracts.set_versions(cann="unknown")
-    c = _registry.resolve(two_versions)
+    c = registry.resolve(two_versions)
     assert c is not None and c.source == "new doc; old doc"
 
 
 @pytest.fixture
 def shipped() -> Iterator[None]:
     """The shipped packs registered for the test; the registry put back afterwards."""
-    before, loaded = _registry.all_contracts(), _registry._shipped_loaded
-    _registry.register(load_contracts(_registry.shipped_contracts_dir()), replace=True)
+    before, loaded = registry.all_contracts(), registry._shipped_loaded
+    registry.register(load_contracts(registry.shipped_contracts_dir()), replace=True)
     try:
         yield
     finally:
-        _registry.clear()
-        _registry.register(before, replace=True)
-        _registry._shipped_loaded = loaded
+        registry.clear()
+        registry.register(before, replace=True)
+        registry._shipped_loaded = loaded
 
 
 def test_shipped_unpermute_depends_on_versions(shipped: None) -> None:
@@ -390,18 +399,18 @@ def test_shipped_unpermute_depends_on_versions(shipped: None) -> None:
     ]
     for pins, probs in cases:
         opcontracts.set_versions(**{"torch_npu": None, "cann": None, **pins})
-        c = _registry.get_contract(op)
+        c = registry.get_contract(op)
         assert c.args["probs"].dtype == probs, pins
     # the chip-specific K <= 512 table joins when the SoC is an A2/A3 or unknown, not otherwise
     opcontracts.set_versions(torch_npu="2.13.0", cann="8.0.0", soc="Ascend910B3")
-    assert _registry.get_contract(op).args["probs"].dims is not None
+    assert registry.get_contract(op).args["probs"].dims is not None
     opcontracts.set_versions(soc="Ascend950")
-    assert _registry.get_contract(op).args["probs"].dims is None
+    assert registry.get_contract(op).args["probs"].dims is None
 
 
 def test_versions_module_does_not_import_the_registry() -> None:
     """Dependencies point one way (registry -> versions): no module-level import back."""
-    tree = ast.parse(Path(_versions.__file__).read_text(encoding="utf-8"))
+    tree = ast.parse(Path(versions.__file__).read_text(encoding="utf-8"))
     for node in tree.body:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from opcontracts._registry import shipped_contracts_dir
+from opcontracts._engine.registry import shipped_contracts_dir
 from opcontracts.cli import main
 from opcontracts.spec import When, contracts_from_toml, load_contracts
 from opcontracts.wheel import digest, verify

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from opcontracts import _versions
-from opcontracts._versions import Env, applies, explain, satisfies
+from opcontracts._lang import versions
+from opcontracts._lang.versions import Env, applies, explain, satisfies
 from opcontracts.errors import ContractFileError
 from opcontracts.spec import When, contracts_from_toml
 
@@ -67,4 +67,4 @@ dtype = "bf16"
 
 def test_unknown_version_keeps_every_alternative_open() -> None:
     assert applies(When(torch_npu=WIDE), Env()) is None
-    assert _versions.explain(When(torch_npu=WIDE), Env()).startswith("torch_npu unknown")
+    assert versions.explain(When(torch_npu=WIDE), Env()).startswith("torch_npu unknown")

@@ -39,32 +39,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
+from ._entry import BackwardFn, Reference
+
 __all__ = ["Reference", "canonical", "get", "names", "register", "unregister"]
-
-BackwardFn = Callable[[dict[str, Any], Any, Any], dict[str, Any]]
-
-
-@dataclass(frozen=True)
-class Reference:
-    """One op's reference.
-
-    ``forward`` takes the op's arguments (same names, same order) and returns its outputs;
-    ``backward`` is the composite formula ``(inputs, outputs, grads) -> {arg: grad}`` the
-    emulation runs for ops without a backward kernel of their own (None: autograd through
-    ``forward``); ``example(generator) -> (args, kwargs)`` builds small conforming inputs (the
-    probe's starting point); ``grad_of`` names the forward op of a ``*_grad`` op; ``source`` says
-    which documentation the formula follows."""
-
-    name: str
-    forward: Callable[..., Any]
-    backward: BackwardFn | None = None
-    example: Callable[[Any], tuple[tuple[Any, ...], dict[str, Any]]] | None = None
-    source: str = ""
-    grad_of: str | None = None
-
 
 _lock = threading.RLock()
 _refs: dict[str, Reference] = {}

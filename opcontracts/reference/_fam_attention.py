@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from . import Reference, _attention, _attention_infer
+from . import _attention, _attention_infer
+from ._entry import Reference
 
 __all__ = ["REFERENCES"]
 

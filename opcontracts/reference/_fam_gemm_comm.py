@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from . import Reference
+from ._entry import Reference
 from ._matmul import _scale_values, group_sizes, npu_grouped_matmul
 from ._util import acc_dtype, fit, safe_index
 

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import Reference
+from ._entry import Reference
 from ._examples import E, Example, H, K, N, _experts, _probs, _vals
 from ._util import acc_dtype, fit, gather_rows, safe_index, scatter_add_rows
 

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import Reference
+from ._entry import Reference
 from ._grads import swiglu_backward as _swiglu_grad_formula
 from ._norm import npu_swiglu, rms_norm_dims, rotated
 from ._util import acc_dtype, safe_index

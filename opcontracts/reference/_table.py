@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from . import (
-    Reference,
     _examples,
     _fam_attention,
     _fam_gemm_comm,
@@ -15,6 +14,7 @@ from . import (
     _moe,
     _norm,
 )
+from ._entry import Reference
 
 _DOCS = "torch_npu 2.13/2.14 _op_plugin_docs.py"
 _MS = "MindSpeed master, docs/ops/"

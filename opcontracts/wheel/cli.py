@@ -44,7 +44,7 @@ def _write_json(target: str, data: Any) -> None:
 
 
 def _contracts(ns: argparse.Namespace) -> list[Any]:
-    from .._registry import shipped_contracts_dir
+    from .._engine.registry import shipped_contracts_dir
     from ..spec import load_contracts
 
     out = [] if getattr(ns, "no_shipped", False) else load_contracts(shipped_contracts_dir())

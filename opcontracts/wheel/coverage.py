@@ -68,7 +68,7 @@ def _ops_of(c: Contract) -> set[str]:
 
 def coverage(release: Release, contracts: Iterable[Contract]) -> Coverage:
     """Which of ``release``'s ops ``contracts`` cover (see the module docstring)."""
-    from .._versions import Env, applies
+    from .._lang.versions import Env, applies
 
     names = sorted(release.schemas)
     cov = Coverage(release.version, [n for n in names if not n.startswith("_")],

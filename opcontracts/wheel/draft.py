@@ -71,7 +71,7 @@ class Draft:
 
 def _shape_of(arg: ArgDoc, rank: tuple[int, ...] | None) -> tuple[str, str] | None:
     """A shape string from the entry's one ``shape (...)`` statement, or None."""
-    from .._shapes import parse_shape
+    from .._lang.shapes import parse_shape
 
     found = []
     for line in [arg.line] + [s.line for s in arg.statements]:

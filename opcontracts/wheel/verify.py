@@ -29,8 +29,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .._shapes import parse_shape
-from .._versions import Env, applies, satisfies
+from .._lang.shapes import parse_shape
+from .._lang.versions import Env, applies, satisfies
 from ._meta import MAX_RANK
 from .digest import Digest, Release
 

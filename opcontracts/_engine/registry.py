@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import _versions
-from .errors import ContractFileError, OpContractsError
+from .._lang import versions
+from ..errors import ContractFileError, OpContractsError
 
 if TYPE_CHECKING:  # pydantic is imported when contracts are first validated, not at import
-    from .spec import Arg, Contract
+    from ..spec import Arg, Contract
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -115,7 +115,7 @@ def shipped_contracts_dir() -> Path:
 def register(contracts: Contract | Iterable[Contract], *, replace: bool = False) -> None:
     """Add contracts to the registry.  With ``replace``, contracts for the same op (and the
     same ``when``) are replaced instead of raising."""
-    from .spec import Contract
+    from ..spec import Contract
 
     items = [contracts] if isinstance(contracts, Contract) else list(contracts)
     with _lock:
@@ -179,8 +179,8 @@ def resolve(op: str) -> Contract | None:
             lst = _by_op.get(op)
         if not lst:
             raise UnknownOpError(f"no contract registered for op {op!r}", op=op)
-        env = _versions.current()
-        app = [c for c in lst if _versions.applies(c.when, env) is not False]
+        env = versions.current()
+        app = [c for c in lst if versions.applies(c.when, env) is not False]
         res = None if not app else app[0] if len(app) == 1 else merge_contracts(app)
         _resolved[op] = res
         return res
@@ -198,7 +198,7 @@ def _merge_arg(a: Arg, b: Arg) -> Arg:
     """Both rules at once: the dtypes both accept (in ``a``'s order of preference), every rule
     either sets (``a``'s wins where both set the same field), optional only if both say so.
     Disjoint dtype sets cannot both hold: the narrower one is kept so calls are still checked."""
-    from .spec import Arg
+    from ..spec import Arg
 
     data = a.model_dump(by_alias=False)
     for k, v in b.model_dump(by_alias=False).items():
@@ -226,7 +226,7 @@ def _merge_arg(a: Arg, b: Arg) -> Arg:
 
 
 def _names(shapes: tuple[str, ...]) -> set[str]:
-    from ._shapes import parse_shape
+    from .._lang.shapes import parse_shape
 
     return {n for sh in shapes for n in parse_shape(sh).names}
 
@@ -253,7 +253,7 @@ def join_sources(*sources: str | None) -> str | None:
 
 def merge_contracts(items: list[Contract]) -> Contract:
     """The strictest combination: intersected dtype sets, every other rule of every contract."""
-    from .spec import Contract
+    from ..spec import Contract
 
     first = items[0]
     args: dict[str, Arg] = {}
@@ -283,7 +283,7 @@ def load_shipped() -> None:
     with _lock:
         if _shipped_loaded:
             return
-        from .spec import load_contracts
+        from ..spec import load_contracts
 
         register(load_contracts(shipped_contracts_dir()), replace=True)
         _shipped_loaded = True
@@ -325,10 +325,10 @@ def shipped_index() -> list[IndexEntry]:
 
 def applicable_targets() -> dict[str, tuple[str, ...]]:
     """op -> targets of the shipped contracts that (may) apply here, from the index."""
-    env = _versions.current()
+    env = versions.current()
     out: dict[str, tuple[str, ...]] = {}
     for e in shipped_index():
-        if _versions.applies(e.when, env) is False:
+        if versions.applies(e.when, env) is False:
             continue
         out[e.op] = tuple(dict.fromkeys(out.get(e.op, ()) + e.targets))
     return out

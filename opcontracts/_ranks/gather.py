@@ -1,7 +1,7 @@
 """Reports from multi-process (``torchrun``) jobs: gather them on rank 0, or merge saved files.
 
 Each rank checks its own calls and records its own violations (with its rank, see
-``_report.current_rank``); a data-parallel job where one rank feeds a kernel a bad dtype, say
+``_engine.records.current_rank``); a data-parallel job where one rank feeds a kernel a bad dtype, say
 because only that rank's data shard hits a code path, shows up as a violation seen by that rank
 alone.  Two ways to put the ranks' reports side by side:
 
@@ -13,7 +13,7 @@ alone.  Two ways to put the ranks' reports side by side:
   wrong); the NaN sentinel's findings (``run --nan-check``) are merged too: the first culprit
   across ranks and which ranks saw it.
 
-Kept out of ``_report`` so that ``import opcontracts`` never imports ``torch.distributed``.
+Kept out of ``_engine.records`` so that ``import opcontracts`` never imports ``torch.distributed``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._report import (
+from .._engine.records import (
     Record,
     Report,
     ReportFileError,
@@ -175,12 +175,12 @@ def merge_run_sections(files: Sequence[ReportFile]) -> tuple[dict[str, Any] | No
                                                               dict[str, Any] | None, list[str]]:
     """The ``checked`` statistics and the ``shadow_compare`` sections of ``opcontracts run``
     files, merged with the mechanisms ``run`` uses for its own rank-0 summary under torchrun
-    (``_stats.merge_stats``, ``compare.merge_sections``), and their lines of text."""
+    (``_observers.stats.merge_stats``, ``compare.merge_sections``), and their lines of text."""
     lines: list[str] = []
     checked = compared = None
     stats_parts = [(f.rank, f.checked) for f in files if f.checked]
     if stats_parts:
-        from ._stats import RunStats, merge_stats
+        from .._observers.stats import RunStats, merge_stats
 
         parsed = []
         for r, d in stats_parts:
@@ -193,7 +193,7 @@ def merge_run_sections(files: Sequence[ReportFile]) -> tuple[dict[str, Any] | No
         lines += ["", *stats.lines()]
     cmp_parts = [(f.rank, f.compare) for f in files if f.compare]
     if cmp_parts:
-        from .compare import merge_sections, merged_lines
+        from ..compare import merge_sections, merged_lines
 
         try:
             compared = merge_sections(cmp_parts)
@@ -273,7 +273,7 @@ def _event_message(e: dict[str, Any]) -> str:
     torch with it) is imported only for a merge that has NaN findings."""
     import dataclasses
 
-    from .nan import NanEvent
+    from ..nan import NanEvent
 
     names = {f.name for f in dataclasses.fields(NanEvent)}
     kw: dict[str, Any] = {"call_site": None, "module": None, "module_type": None}

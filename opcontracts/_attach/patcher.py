@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-from . import _registry
-from ._compile import CompiledContract
-from ._enforce import compiled_for, make_guard, params_of
+from .._engine import registry
+from .._engine.compile import CompiledContract
+from .._engine.enforce import compiled_for, make_guard, params_of
 
 __all__ = ["Patcher", "PatchRecord"]
 
@@ -366,7 +366,7 @@ class Patcher:
         def factory() -> CompiledContract | None:
             # runs on the guard's first call and after each change to what applies: validate
             # the contract, compile the checker (None: no contract applies here)
-            contract = _registry.resolve(op)
+            contract = registry.resolve(op)
             if contract is None:
                 return None
             params = params_of(src, contract)

@@ -20,7 +20,7 @@ from types import FrameType
 
 __all__ = ["warn_setting", "user_frame"]
 
-_OURS = (os.path.dirname(os.path.abspath(__file__)) + os.sep,
+_OURS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # opcontracts/
          os.path.dirname(os.path.abspath(importlib.__file__)) + os.sep)
 _FROZEN = ("<frozen importlib", "<frozen runpy", "<frozen zipimport")
 _RUNPY = os.sep + "runpy.py"

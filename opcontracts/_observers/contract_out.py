@@ -66,13 +66,14 @@ def dumps_contracts(contracts: Sequence[Mapping[str, Any]], header: Sequence[str
 
 
 def stack() -> dict[str, str | None]:
-    """The detected versions a generated contract speaks for (``_versions.current()``), with
+    """The detected versions a generated contract speaks for (``_lang.versions.current()``), with
     opcontracts' own; emulated packages marked."""
-    from . import __version__, _versions
+    from .._lang import versions
+    from .._version import __version__
 
-    env = _versions.current()
+    env = versions.current()
     out: dict[str, str | None] = {"opcontracts": __version__}
-    for name in _versions.FIELDS:
+    for name in versions.FIELDS:
         v = getattr(env, name)
         out[name] = f"{v} (emulation)" if v is not None and name in env.emulated else v
     return out

@@ -3,7 +3,7 @@
 Dynamo traces the guard like any Python function, so the guard switches to this path when
 ``torch.compiler.is_compiling()``:
 
-* the mode comes from ``_modes.COMPILE_VIEW`` (``ContextVar.get`` is a graph break);
+* the mode comes from ``_lang.modes.COMPILE_VIEW`` (``ContextVar.get`` is a graph break);
 * the optimistic checker is traced: dtype and static-shape comparisons fold to constants under
   dynamo's own guards, so a conforming call adds nothing to the compiled code;
 * on a violation, ``_decide`` runs *at trace time* as plain Python (``assume_constant_result``):
@@ -15,7 +15,7 @@ Dynamo traces the guard like any Python function, so the guard switches to this 
   ``ContractViolation`` eagerly (a graph break, only on a violating call); under
   ``fullgraph=True`` the violation is raised at trace time as dynamo's ``UserError`` with the
   ``ContractViolation`` as its ``__cause__``;
-* ``fix``: the plan lists the casts (``_enforce.plan_fix``, the eager planner, run on the meta
+* ``fix``: the plan lists the casts (``violations.plan_fix``, the eager planner, run on the meta
   tensors); ``.to(dtype)`` is traced into the graph.  An integer narrowing depends on the
   values, which tracing does not have: that call is fixed eagerly by a ``torch.compiler.disable``-d
   function (a graph break, only on such a call).
@@ -36,10 +36,11 @@ from typing import Any
 
 import torch
 
-from . import _modes
-from ._callsite import find_call_site
-from ._compile import BY_KEY, FAST_BY_KEY, OP_BY_KEY
-from ._enforce import (
+from .._lang import modes
+from ..errors import ContractFixWarning, ContractViolation, ContractWarning
+from .callsite import find_call_site
+from .compile import BY_KEY, BY_TOKEN, FAST_BY_KEY, OP_BY_KEY
+from .violations import (
     NeedsValues,
     Repair,
     _Bound,
@@ -50,7 +51,6 @@ from ._enforce import (
     plan_fix,
     violation_from_raw,
 )
-from .errors import ContractFixWarning, ContractViolation, ContractWarning
 
 __all__ = ["call"]
 
@@ -96,14 +96,14 @@ def _decide(key: int, mode: str, arg_metas: tuple[Any, ...], kw_metas: tuple[Any
     args = [_rebuild(m) for m in arg_metas]
     kwargs = {k: _rebuild(m) for k, m in kw_metas}
     raw = cc.check(*args, **kwargs)
-    m = _modes.parse_mode(mode)
+    m = modes.parse_mode(mode)
     if raw is None:
         # the traced optimistic check failed, but the rebuilt meta tensors conform: they lost
         # what the rule read (a device, say).  Decide on the real tensors, eagerly (a graph
         # break on this call only), never by calling through unchecked.
         return ("eager",)
     b = _Bound(cc, tuple(args), kwargs)
-    if m is _modes.FIX:
+    if m is modes.FIX:
         try:
             repairs = plan_fix(cc, b, raw)
         except NeedsValues:  # an integer narrowing: only the values can say
@@ -115,7 +115,7 @@ def _decide(key: int, mode: str, arg_metas: tuple[Any, ...], kw_metas: tuple[Any
     plan: list[tuple[Any, ...]] = []
     for r in repairs:
         exc = violation_from_raw(r.raw, site, r.partner)
-        if m is _modes.WARN:
+        if m is modes.WARN:
             msg, _ = _record_and_message(exc, site, m, False)
             _warn(exc, site, msg, ContractWarning)
             return ("call",)
@@ -159,7 +159,7 @@ def _eager(key: int, mode: str, fn: Callable[..., Any], args: tuple[Any, ...],
     """The decision made eagerly, on the real tensors (a graph break, only on such a call),
     exactly as outside torch.compile: a ``fix`` repair that depends on the values, or a rule
     that the meta tensors rebuilt at trace time cannot answer."""
-    return _violated(_modes.parse_mode(mode), BY_KEY[key], fn, args, kwargs, depth=1)
+    return _violated(modes.parse_mode(mode), BY_KEY[key], fn, args, kwargs, depth=1)
 
 
 def _build(token: int, generation: int) -> int:
@@ -167,9 +167,7 @@ def _build(token: int, generation: int) -> int:
     call built it yet (plain Python, not traced); -1 when no contract applies.  The registry's
     ``generation`` is an argument so that dynamo guards on it: a change to what applies
     recompiles the code that baked the key in."""
-    from ._enforce import _BY_TOKEN
-
-    guard = _BY_TOKEN.get(token)
+    guard = BY_TOKEN.get(token)
     cc = guard.__opcontracts_build__() if guard is not None else None  # type: ignore[attr-defined]
     return cc.key if cc is not None else -1
 
@@ -192,11 +190,11 @@ def lazy(token: int, generation: int) -> int:
 
 def call(key: int, fn: Callable[..., Any], args: tuple[Any, ...],
          kwargs: dict[str, Any]) -> Any:
-    """The traced guard: ``key`` names the compiled contract (see ``_compile.BY_KEY``)."""
-    view = _modes.COMPILE_VIEW
+    """The traced guard: ``key`` names the compiled contract (see ``_engine.compile.BY_KEY``)."""
+    view = modes.COMPILE_VIEW
     op = OP_BY_KEY[key]
     m = view.by_op.get(op, view.default) if view.by_op else view.default
-    if m is _modes.OFF:
+    if m is modes.OFF:
         return fn(*args, **kwargs)
     if FAST_BY_KEY[key](*args, **kwargs) is True:
         return fn(*args, **kwargs)

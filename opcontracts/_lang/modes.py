@@ -19,7 +19,7 @@ from contextvars import ContextVar, Token
 from types import MappingProxyType
 from typing import Any, TypeVar
 
-from .errors import SettingError
+from ..errors import SettingError
 
 __all__ = ["Mode", "set_mode", "get_mode", "mode", "current_state", "mode_for", "check_setting"]
 

@@ -6,7 +6,7 @@ bf16 ``probs`` only and the router handed it fp32 (``moe_router_dtype=fp32``).  
 ``probs = probs.to(torch.bfloat16)``.
 
 The demo runs one training step (forward + backward) of a small MoE transformer
-(``_demo_model.py``, loaded as user code) four ways, on the CPU emulation of the NPU kernels:
+(``demo_model.py``, loaded as user code) four ways, on the CPU emulation of the NPU kernels:
 
 * ``reference``: the unfused MoE in plain PyTorch, the "GPU golden path";
 * ``unguarded``: MindSpeed's fused permute/unpermute, ``opcontracts.mode("off")``: the loss is
@@ -23,14 +23,14 @@ The fused calls take exactly the path of a user's job: the model file does
 ``--nan-check`` also runs the NaN sentinel (``opcontracts.nan``) on the unguarded and fix runs.
 
 ``--ranks N [--fsdp 1|2]`` runs the same four steps as the incident's job did: N processes
-(``_demo_dist.launch``; under ``torchrun`` the processes are already there and nothing is
+(``_tools.demo_dist.launch``; under ``torchrun`` the processes are already there and nothing is
 spawned), gloo on the CPU, the model held as Megatron holds it (``Float16Module``) and sharded
 per block with FSDP1 (default: flat parameters, the incident's ``_fsdp_wrapped_module`` paths)
 or FSDP2 (``fully_shard``: DTensor parameters), each rank on its own data shard, the sentinel
 on.  Each rank judges its own outcome against its own reference step, with gradient numbers
 summed over the ranks' shards; rank 0 prints once: the table with the ranks' merged outcome,
 the sentinel's first event on each rank with the module path as FSDP names it and as the model
-does (``_modpath.clean``), the golden compare's first divergence in the unguarded step
+does (``_observers.modpath.clean``), the golden compare's first divergence in the unguarded step
 (``opcontracts.compare``, contracts off: it names the op even where the garbage is finite and
 the sentinel sees nothing yet), and the violations of every rank
 (``opcontracts.report(gather=True)``).
@@ -57,9 +57,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._report import aligned
+from .._engine.records import aligned
 
-__all__ = ["DemoResult", "DistResult", "Scenario", "format_dist", "format_table", "main", "run",
+__all__ = ["DemoResult", "DistResult", "Scenario", "format_dist", "format_table", "run",
            "run_demo", "run_rank"]
 
 PROFILE = "incident"
@@ -69,7 +69,7 @@ PROFILE_WHY = ("the forward kernels accept fp32 probs (torch_npu 2.13 docs) whil
 
 MODEL_FILE = "moe_block.py"                  # what call sites and tracebacks show
 MODEL_MODULE = "_opcontracts_demo_moe_block"  # its sys.modules name while the demo runs
-MODEL_SOURCE = Path(__file__).with_name("_demo_model.py")
+MODEL_SOURCE = Path(__file__).with_name("demo_model.py")
 
 # Tolerances of the fixed run against the reference.  bf16 rounds at 2**-8 (~0.4%), and the
 # fix rounds probs to bf16 where the reference keeps fp32: the next layer's router sees slightly
@@ -147,7 +147,7 @@ class DistResult:
     per_rank: list[list[Scenario]]     # [rank][scenario]
     ranks_ok: dict[str, list[int]]     # scenario -> the ranks where it came out as described
     nan: dict[str, dict[str, Any]]     # scenario -> the sentinel's findings over the ranks
-    #                                    (``_dist.merge_nan``: first, firsts, seen_by, clean)
+    #                                    (``_ranks.gather.merge_nan``: first, firsts, seen_by, clean)
     report: dict[str, Any]             # every rank's violations, merged (report(gather=True))
     compare: dict[str, Any] | None     # the golden compare on the unguarded run, over the
     #                                    ranks: first divergence (with its rank), firsts, checked
@@ -181,12 +181,12 @@ class _CannotRun(Exception):
 # --------------------------------------------------------------------------- environment
 def _real_torch_npu() -> str | None:
     """Why a real torch_npu is present (never importing it), or None."""
-    from .emulation._standins import is_standin
+    from ..emulation._standins import is_standin
 
     mod = sys.modules.get("torch_npu")
     if mod is not None:
         return None if is_standin(mod) else f"torch_npu is loaded from {getattr(mod, '__file__', '?')}"
-    from . import emulation
+    from .. import emulation
 
     if emulation.installed():
         return None
@@ -204,7 +204,7 @@ def _refusal(reason: str) -> str:
 
 
 def _load_model() -> types.ModuleType:
-    """Execute ``_demo_model.py`` as user code, under the file name ``moe_block.py``.
+    """Execute ``demo_model.py`` as user code, under the file name ``moe_block.py``.
 
     Why not import it: opcontracts reports the first frame outside its own package as the
     call site, and this file is inside it; executed under its own name it is what a user's
@@ -232,7 +232,7 @@ def _environment() -> Iterator[types.ModuleType]:
     reason = _real_torch_npu()
     if reason is not None:
         raise _CannotRun(_refusal(reason))
-    from . import emulation
+    from .. import emulation
 
     was_installed = emulation.installed()
     previous = emulation.current_profile()
@@ -307,13 +307,13 @@ SINGLE = _Setting(wrap=_wrap_single, grads=_grads_single, sum=_same, max=_same)
 def _fsdp_setting(fsdp: int) -> _Setting:
     """One rank of the job: the model as Megatron holds it (``Float16Module``, bf16), sharded
     per block with FSDP ``fsdp``."""
-    from . import _demo_dist
+    from . import demo_dist
 
     def wrap(model: Any, mod: types.ModuleType) -> Any:
-        return _demo_dist.shard(mod.Float16Module(model), mod.Block, fsdp)
+        return demo_dist.shard(mod.Float16Module(model), mod.Block, fsdp)
 
-    return _Setting(wrap=wrap, grads=_demo_dist.local_grads, sum=_demo_dist.all_sum,
-                    max=_demo_dist.all_max)
+    return _Setting(wrap=wrap, grads=demo_dist.local_grads, sum=demo_dist.all_sum,
+                    max=demo_dist.all_max)
 
 
 def _batch(seed: int, rank: int = 0) -> tuple[Any, Any]:
@@ -490,24 +490,24 @@ def _run_scenario(sc: Scenario, model_mod: types.ModuleType, seed: int, batch: t
     """One training step in ``sc``'s mode; fills ``sc`` with what came out.  ``compare``: the
     unguarded step also runs under the golden compare (``opcontracts.compare``: every guarded
     call against its plain-PyTorch reference, contracts off)."""
-    import opcontracts
-    from opcontracts import ContractFixWarning, ContractViolation
+    from .._lang import modes
+    from ..errors import ContractFixWarning, ContractViolation
 
     start = time.perf_counter()
     sentinel = shadow = None
     if nan_check and sc.name in ("unguarded", "fix"):
-        from .nan import NanSentinel
+        from ..nan import NanSentinel
 
         sentinel = NanSentinel().enable()
     if compare and sc.name == "unguarded":
-        from .compare import ShadowCompare
+        from ..compare import ShadowCompare
 
         shadow = ShadowCompare().enable()
     step: _Step | None = None
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", ContractFixWarning)
-            mode = opcontracts.mode(sc.mode) if sc.mode is not None else contextlib.nullcontext()
+            mode = modes.mode(sc.mode) if sc.mode is not None else contextlib.nullcontext()
             with mode:
                 step = _train_step(model_mod, seed, batch, sc.name != "reference", setting)
         fixes = [str(w.message).splitlines()[0] for w in caught
@@ -602,14 +602,14 @@ def run_rank(seed: int = 0, fsdp: int = 1, out: Callable[[str], None] | None = N
     lines (``out``, default stdout), the others print nothing."""
     import torch  # noqa: F401 - imported before the clock starts
 
-    import opcontracts
-
-    from . import _demo_dist
+    from .._engine import records
+    from .._ranks.gather import gather_report
+    from . import demo_dist
 
     if fsdp not in (1, 2):
         raise _CannotRun(f"--fsdp must be 1 or 2, not {fsdp}")
     t0 = time.perf_counter()
-    with _demo_dist.process_group() as (rank, world):
+    with demo_dist.process_group() as (rank, world):
         say = (out or (lambda s: print(s, flush=True))) if rank == 0 else (lambda s: None)
         where = (f"job: {world} rank(s), gloo on the CPU, each rank on its own data shard; the "
                  f"model held as Megatron holds it (Float16Module) and sharded per block with "
@@ -624,8 +624,8 @@ def run_rank(seed: int = 0, fsdp: int = 1, out: Callable[[str], None] | None = N
         with _environment() as model_mod:
             _run_all(scenarios, model_mod, seed, _batch(seed, rank), True, _fsdp_setting(fsdp),
                      say, compare=True)
-        merged = opcontracts.report(gather=True)  # a collective: every rank calls it
-        payloads = _demo_dist.all_gather(
+        merged = gather_report(records.report())  # a collective: every rank calls it
+        payloads = demo_dist.all_gather(
             {"rank": rank, "scenarios": [_plain(asdict(sc)) for sc in scenarios]})
         wall = time.perf_counter() - t0
     per_rank = [[_scenario_from(d) for d in p["scenarios"]]
@@ -647,11 +647,11 @@ def _scenario_from(d: dict[str, Any]) -> Scenario:
 
 def _first_events(per_rank: list[list[Scenario]]) -> dict[str, dict[str, Any]]:
     """Per sentinel run, its findings over the ranks, merged as ``opcontracts report merge``
-    merges ``run --nan-check`` files (``_dist.merge_nan``): ``first`` (with its ``rank``),
+    merges ``run --nan-check`` files (``_ranks.gather.merge_nan``): ``first`` (with its ``rank``),
     ``firsts`` (each distinct first culprit with the ranks whose first it was), ``seen_by``,
     ``clean``, ``calls``."""
-    from ._dist import ReportFile, merge_nan
-    from ._report import Report
+    from .._engine.records import Report
+    from .._ranks.gather import ReportFile, merge_nan
 
     out: dict[str, dict[str, Any]] = {}
     for i, sc in enumerate(per_rank[0]):
@@ -672,8 +672,8 @@ def _golden_compare(per_rank: list[list[Scenario]]) -> dict[str, Any] | None:
     ``first`` (the lowest rank's first divergence, with its ``rank``), ``per_rank`` (each
     rank's first), each with ``module_clean``; ``summary`` in the compare's words from the rank
     of ``first``.  None when it did not run."""
-    from ._modpath import clean
-    from .compare import merge_sections
+    from .._observers.modpath import clean
+    from ..compare import merge_sections
 
     found: list[tuple[int | None, dict[str, Any]]] = [
         (r, sc.compare) for r, scs in enumerate(per_rank) for sc in scs if sc.compare is not None]
@@ -715,7 +715,7 @@ def _rank_of_env() -> int:
 
 def _launch(ranks: int, fsdp: int, seed: int, json_path: str | None) -> int:
     """Start ``ranks`` processes that each run ``_as_rank``; rank 0's exit status."""
-    from . import _demo_dist
+    from . import demo_dist
 
     reason = _real_torch_npu()
     if reason is not None:
@@ -724,8 +724,8 @@ def _launch(ranks: int, fsdp: int, seed: int, json_path: str | None) -> int:
           f"FSDP{fsdp}) ...", flush=True)
     t0 = time.perf_counter()
     try:
-        codes = _demo_dist.launch(ranks, _as_rank, seed, fsdp, json_path)
-    except _demo_dist.LaunchError as exc:
+        codes = demo_dist.launch(ranks, _as_rank, seed, fsdp, json_path)
+    except demo_dist.LaunchError as exc:
         print(f"opcontracts demo: {exc}", file=sys.stderr)
         return 1
     print(f"launcher: {ranks} process(es) started, ran and exited in "
@@ -810,7 +810,9 @@ def _nan_text(name: str, nan: dict[str, Any], n: int) -> list[str]:
     lines = [f"NaN sentinel, {name} run: first culprit on rank {first['rank']}, seen by rank "
              f"{_ranks_text(seen)}" + (f" (not rank {_ranks_text(missing)})" if missing
                                        else " (every rank)")]
-    from ._dist import _event_message  # the sentinel's own wording, as report merge prints it
+    from .._ranks.gather import (
+        _event_message,  # the sentinel's own wording, as report merge prints it
+    )
 
     lines.extend("  " + ln for ln in _event_message(first).splitlines())
     rows = [("ranks", "op", "direction", "module path in the job", "without wrappers")]
@@ -855,7 +857,7 @@ def _compare_text(cmp: dict[str, Any]) -> list[str]:
 
 
 def _violations_text(report: dict[str, Any]) -> str:
-    from ._report import Report, table_lines
+    from .._engine.records import Report, table_lines
 
     rep = Report.from_dict(report)
     if not rep.records:
@@ -875,20 +877,12 @@ def _write_json(path: str, data: dict[str, Any]) -> None:
 
 
 # --------------------------------------------------------------------------- command line
-def main(argv: Sequence[str] | None = None) -> int:
-    """``opcontracts demo [--json FILE] [--seed N] [--nan-check] [--ranks N [--fsdp 1|2]]``
-    (the options are defined with the other subcommands in ``cli.py``)."""
-    from .cli import build_parser
-
-    return run(build_parser().parse_args(["demo", *(sys.argv[1:] if argv is None else argv)]))
-
-
 def run(ns: argparse.Namespace) -> int:
-    """Run the demo from parsed arguments; the exit status (0: as described, 1: not, 2:
+    """Run the demo from the arguments ``opcontracts demo`` parsed (the parser is the CLI's); the exit status (0: as described, 1: not, 2:
     cannot run here).  Under a launcher (``torchrun``: ``RANK`` and ``WORLD_SIZE`` set) this
     process is one rank of the job and runs its part in place; with ``--ranks N`` it starts
     the N processes itself; otherwise it runs the single-process demo."""
-    from ._demo_dist import under_launcher
+    from .demo_dist import under_launcher
 
     ranks: int | None = getattr(ns, "ranks", None)
     fsdp: int | None = getattr(ns, "fsdp", None)
@@ -926,7 +920,3 @@ def run(ns: argparse.Namespace) -> int:
     if ns.json:
         _write_json(ns.json, result.to_dict())
     return 0 if result.ok else 1
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

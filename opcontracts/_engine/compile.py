@@ -17,19 +17,20 @@ import itertools
 import keyword
 import linecache
 import numbers
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import _values
-from ._dtypes import parse_dtype
-from ._shapes import Dim, ShapeSpec, parse_shape
-from .errors import ContractFileError
+from .._lang import values as _values
+from .._lang.dtypes import parse_dtype
+from .._lang.shapes import Dim, ShapeSpec, parse_shape
+from ..errors import ContractFileError
 
 if TYPE_CHECKING:  # the pydantic models are imported only when a contract is loaded
-    from .spec import Arg, Contract
+    from ..spec import Arg, Contract
 
 __all__ = ["Param", "Rule", "RawViolation", "CompiledContract", "compile_contract", "MISSING"]
 
@@ -106,6 +107,9 @@ BY_KEY: dict[int, CompiledContract] = {}
 # them cheaply; a CompiledContract read from a dict would become a constant it cannot guard)
 FAST_BY_KEY: dict[int, Callable[..., Any]] = {}
 OP_BY_KEY: dict[int, str] = {}
+# the guards whose contract is built on their first call (``enforce.make_guard`` with a factory),
+# by token: the traced guard names one by this constant and builds its contract at trace time
+BY_TOKEN: weakref.WeakValueDictionary[int, Callable[..., Any]] = weakref.WeakValueDictionary()
 
 
 def _expected_dtypes(names: Sequence[str]) -> str:

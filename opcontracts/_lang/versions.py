@@ -48,7 +48,7 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 if TYPE_CHECKING:
-    from .spec import When
+    from ..spec import When
 
 __all__ = [
     "Env", "FIELDS", "current", "refresh", "applies", "explain", "describe", "rows", "set_versions",
@@ -385,7 +385,7 @@ def _detect() -> Env:
             elif name != "soc" and normalize_version(raw) is None:
                 # unreadable: unknown (every candidate applies, merged strictest), and said so
                 put(name, None, f"${var} ({raw!r} is not a version: read as unknown)")
-                from ._envwarn import warn_setting
+                from .envwarn import warn_setting
 
                 warn_setting(str(var), f"{raw!r} is not a version (try '2.13.0' or '8.0.RC3'); "
                              "read as unknown, so every candidate contract applies, merged into "
@@ -418,7 +418,7 @@ def _fingerprint() -> tuple[Any, Any]:
 
 def _invalidate_registry() -> None:
     # The registry imports this module, never the reverse: reach it only if it is loaded.
-    reg = sys.modules.get("opcontracts._registry")
+    reg = sys.modules.get("opcontracts._engine.registry")
     if reg is not None:
         reg.invalidate()
 

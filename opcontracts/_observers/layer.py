@@ -56,7 +56,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ._callsite import CallSite, find_call_site
+from .._engine.callsite import CallSite, find_call_site
 
 __all__ = [
     "Call",
@@ -116,7 +116,7 @@ def param_names(fn: Callable[..., Any]) -> tuple[str, ...]:
         return _names_cache[fn]
     except (KeyError, TypeError):
         pass
-    from ._enforce import compiled_of
+    from .._engine.enforce import compiled_of
 
     names: tuple[str, ...] = ()
     try:
@@ -702,8 +702,8 @@ def _empty_contract_compiles() -> bool:
     tested once, since a guard that fails to build would break the watched call."""
     global _empty_ok
     if _empty_ok is None:
-        from ._compile import Param, compile_contract
-        from .spec import Contract
+        from .._engine.compile import Param, compile_contract
+        from ..spec import Contract
 
         try:
             cc = compile_contract(Contract("opcontracts.watch-selftest", {}), [Param("x")])
@@ -720,14 +720,14 @@ def watch(targets: dict[str, str], *, source: str) -> list[str]:
     for any contract; ops that have a contract already are left as they are.  Returns the ops
     newly watched.  The empty contracts stay registered until the process ends (they check
     nothing)."""
-    from . import _registry
-    from .spec import Contract
+    from .._engine import registry
+    from ..spec import Contract
 
     new = []
     for op, path in targets.items():
         try:
-            has = bool(_registry.candidates(op)) or _registry.resolve(op) is not None
-        except _registry.UnknownOpError:
+            has = bool(registry.candidates(op)) or registry.resolve(op) is not None
+        except registry.UnknownOpError:
             has = False
         if not has:
             new.append(Contract(op, {}, targets=(path,),

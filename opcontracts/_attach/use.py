@@ -13,12 +13,12 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from . import _registry
-from ._envwarn import warn_setting
-from .errors import OpContractsError
+from .._engine import registry
+from .._lang.envwarn import warn_setting
+from ..errors import OpContractsError
 
 if TYPE_CHECKING:
-    from .spec import Contract
+    from ..spec import Contract
 
 __all__ = ["use", "env_contracts"]
 
@@ -31,8 +31,8 @@ def use(*paths: str | os.PathLike[str], replace: bool = False) -> list[Contract]
     and ``when`` (as ``register(..., replace=True)``); otherwise a different contract for the
     same op and ``when`` is an error.  Returns the contracts loaded.
     """
-    from .errors import ContractFileError, FileProblem
-    from .spec import load_contracts
+    from ..errors import ContractFileError, FileProblem
+    from ..spec import load_contracts
 
     if not paths:
         raise TypeError("use() needs at least one file or folder")
@@ -45,7 +45,7 @@ def use(*paths: str | os.PathLike[str], replace: bool = False) -> list[Contract]
             problems.extend(exc.problems)
     if problems:
         raise ContractFileError.of(problems)
-    _registry.register(contracts, replace=replace)
+    registry.register(contracts, replace=replace)
     patch = sys.modules.get("opcontracts.patch")
     if patch is not None and patch.is_applied() and any(c.targets for c in contracts):
         patch.apply()
@@ -67,7 +67,7 @@ def env_contracts() -> list[Contract]:
     parts = [p.strip() for p in raw.split(os.pathsep) if p.strip()]
     if not parts:
         return out
-    from .spec import contract_files, load_contracts
+    from ..spec import contract_files, load_contracts
 
     for part in parts:
         try:

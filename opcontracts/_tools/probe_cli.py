@@ -49,12 +49,12 @@ def add_parser(sub: Any) -> None:
 
 
 def _real_torch_npu() -> bool:
-    from .emulation._standins import is_standin
+    from ..emulation._standins import is_standin
 
     mod = sys.modules.get("torch_npu")
     if mod is not None:
         return not is_standin(mod)
-    from . import emulation
+    from .. import emulation
 
     if emulation.installed():
         return False
@@ -67,7 +67,7 @@ def _real_torch_npu() -> bool:
 @contextlib.contextmanager
 def _kernels(profile: str | None) -> Iterator[None]:
     """The real kernels, or the emulation with ``profile`` (put back as it was afterwards)."""
-    from . import emulation
+    from .. import emulation
 
     if _real_torch_npu():
         if profile is not None:
@@ -92,7 +92,7 @@ def _kernels(profile: str | None) -> Iterator[None]:
 
 
 def _cmd_probe(ns: argparse.Namespace) -> int:
-    from . import reference
+    from .. import reference
 
     ops = list(ns.ops)
     if ns.all:
@@ -102,7 +102,7 @@ def _cmd_probe(ns: argparse.Namespace) -> int:
               + ", ".join(n for n in reference.names()
                           if reference.get(n).example is not None), file=sys.stderr)  # type: ignore[union-attr]
         return 2
-    from .probe import probe
+    from ..probe import probe
 
     try:
         with _kernels(ns.profile):
@@ -122,7 +122,7 @@ def _cmd_probe(ns: argparse.Namespace) -> int:
                                    indent=2) + "\n")
         print(f"measurements written to {ns.json}")
     if ns.write_contract:
-        from ._contract_out import dumps_contracts, utc_now
+        from .._observers.contract_out import dumps_contracts, utc_now
 
         header = [f"Measured by `opcontracts probe` on {utc_now()}: {len(reports)} op(s).",
                   "Loaded through OPCONTRACTS_CONTRACTS each applies where its `when` holds, "

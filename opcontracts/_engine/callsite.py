@@ -9,7 +9,10 @@ from types import FrameType
 
 __all__ = ["CallSite", "find_call_site"]
 
-_PKG_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# the opcontracts package (this file is opcontracts/_engine/callsite.py)
+_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
 def _torch_dir() -> str:
     import torch
 

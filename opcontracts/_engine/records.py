@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .errors import OpContractsError
+from ..errors import OpContractsError
 
 __all__ = ["Record", "Report", "ReportFileError", "record", "report", "reset_report",
            "MAX_RECORDS", "merge_reports", "metadata", "write_report", "load_report"]
@@ -395,21 +395,12 @@ def merge_reports(reports: Iterable[Report]) -> Report:
     return Report(list(merged.values()), dropped, total)
 
 
-def report(*, gather: bool = False) -> Report:
-    """A snapshot of every violation recorded in this process.
-
-    ``gather=True`` in a ``torch.distributed`` job is a collective (every rank must call it): rank
-    0 gets every rank's violations merged, each record naming the ``ranks`` that saw it; the other
-    ranks get their own.  Outside a distributed job it is the same as ``report()``.
-    """
+def report() -> Report:
+    """A snapshot of every violation recorded in this process (``opcontracts.report`` adds
+    ``gather=True``, every rank's violations, from the layer above)."""
     with _store.lock:
         recs = [_copy(r) for r in _store.records.values()]
-        rep = Report(recs, _store.dropped, _store.total)
-    if gather:
-        from ._dist import gather_report  # torch.distributed only when asked
-
-        return gather_report(rep)
-    return rep
+        return Report(recs, _store.dropped, _store.total)
 
 
 def reset_report() -> None:
@@ -470,13 +461,14 @@ def metadata(*, rank: int | None = None) -> dict[str, Any]:
     import sys
     from datetime import datetime, timezone
 
-    from . import __version__, _modes, _versions
+    from .._lang import modes, versions
+    from .._version import __version__
 
-    env = _versions.current()
-    state = _modes.current_state()
+    env = versions.current()
+    state = modes.current_state()
     return {
         "opcontracts": __version__,
-        **{name: getattr(env, name) for name in _versions.FIELDS},
+        **{name: getattr(env, name) for name in versions.FIELDS},
         "emulated": list(env.emulated),
         "mode": state.default.value,
         "mode_by_op": {op: m.value for op, m in state.by_op.items()},

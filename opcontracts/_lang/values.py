@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._shapes import eval_dim, parse_shape
+from .shapes import eval_dim, parse_shape
 
 if TYPE_CHECKING:
-    from .spec import ValueRule
+    from ..spec import ValueRule
 
 __all__ = ["ENABLED", "set_value_checks", "value_checks_enabled", "check_values", "describe"]
 
@@ -23,13 +23,13 @@ _ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 def _from_env() -> bool:
     """``OPCONTRACTS_VALUES``; a value that is neither on nor off stops a job's start-up as a
-    bad ``OPCONTRACTS_MODE`` does (``_modes.check_setting``): a typo must not silently turn
+    bad ``OPCONTRACTS_MODE`` does (``_lang.modes.check_setting``): a typo must not silently turn
     value checks off."""
     raw = os.environ.get("OPCONTRACTS_VALUES", "").strip().lower()
     if raw in _ON:
         return True
     if raw not in _OFF:
-        from ._modes import report_setting_error
+        from .modes import report_setting_error
 
         report_setting_error(f"OPCONTRACTS_VALUES: cannot read {raw!r}; expected one of "
                              "1, true, yes, on (value checks on) or 0, false, no, off")

@@ -3,7 +3,7 @@
 A report that says "no contract violations" means something only next to what was checked: a
 script whose ops were never guarded (they were reached through names the patch does not know,
 or the mode was ``off``) also has no violations.  ``CallStats`` is a counter observer of the
-layer over the patch's guards (``_observe``): per guarded call it counts the op and whether the
+layer over the patch's guards (``_observers.layer``): per guarded call it counts the op and whether the
 mode in effect for it was ``off`` (one ``ContextVar`` read and two dict updates, ~0.3 us on top
 of the layer's wrapper; it is attached only by ``opcontracts run``).  ``RunStats`` is what it
 counted plus what the patch guards, as plain data that merges across ranks.
@@ -15,8 +15,8 @@ import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from . import _modes
-from ._observe import Counter
+from .._lang import modes
+from .layer import Counter
 
 __all__ = ["CallStats", "RunStats", "merge_stats"]
 
@@ -30,7 +30,7 @@ class CallStats(Counter):
         self._lock = threading.Lock()
 
     def count(self, op: str) -> None:
-        off = _modes.mode_for(op) is _modes.OFF
+        off = modes.mode_for(op) is modes.OFF
         with self._lock:
             self.calls[op] = self.calls.get(op, 0) + 1
             if off:
@@ -40,7 +40,7 @@ class CallStats(Counter):
         """The counts, with what the patch guards now."""
         import sys
 
-        from . import _registry
+        from .._engine import registry
 
         targets: set[str] = set()
         ops: set[str] = set()
@@ -55,8 +55,8 @@ class CallStats(Counter):
         no_contract = {}
         for op, n in calls.items():
             try:
-                applies = _registry.resolve(op) is not None
-            except _registry.UnknownOpError:
+                applies = registry.resolve(op) is not None
+            except registry.UnknownOpError:
                 applies = False
             if not applies:
                 no_contract[op] = n - off.get(op, 0)

@@ -18,7 +18,7 @@ the model sharded per transformer block), and nothing about the story itself (``
   (``fully_shard`` per block, then the root: DTensor parameters, names unchanged);
 * ``local_grads``, ``all_sum``, ``all_max``, ``all_gather``: this rank's gradient shards and
   the few collectives that make per-rank numbers global.  Gathering objects reuses the
-  report's transport (``_dist._all_gather_payloads``), not a second one.
+  report's transport (``_ranks.gather._all_gather_payloads``), not a second one.
 
 torch is imported inside the functions: importing this module costs nothing.
 """
@@ -175,7 +175,7 @@ def all_gather(payload: dict[str, Any]) -> list[dict[str, Any]]:
     """Every rank's ``payload`` (JSON-able data), in rank order, on every rank."""
     import torch.distributed as dist
 
-    from ._dist import _all_gather_payloads
+    from .._ranks.gather import _all_gather_payloads
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [payload]

@@ -15,7 +15,7 @@ no violations means something only next to it), the NaN sentinel's finding (``--
 the shadow compare's (``--compare``); ``--record FILE`` writes the golden run's contract file;
 ``--report FILE`` also writes everything as JSON (``report.rank{R}.json`` per rank under
 torchrun).  Under torchrun the summary is printed once, by rank 0, merged over the ranks
-(``_rankmerge``).  ``--quiet`` prints nothing at exit unless there is a violation, a NaN finding
+(``_ranks.rankmerge``).  ``--quiet`` prints nothing at exit unless there is a violation, a NaN finding
 or a divergence.  The exit status is the script's: its ``SystemExit`` code, 1 (with the
 traceback) for an uncaught exception, 130 for Ctrl-C.
 """
@@ -33,10 +33,10 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ._stats import CallStats
-    from .compare import ShadowCompare
-    from .nan import NanSentinel
-    from .record import Recorder
+    from .._observers.stats import CallStats
+    from ..compare import ShadowCompare
+    from ..nan import NanSentinel
+    from ..record import Recorder
 
 __all__ = ["RunOptions", "UsageError", "main", "parse", "run"]
 
@@ -250,11 +250,11 @@ def run(opts: RunOptions) -> int:
         print(f"opcontracts run: can't open file {os.path.abspath(opts.script)!r}: "
               "[Errno 2] No such file or directory", file=sys.stderr)
         return 2
-    import opcontracts
-
     patch_mod = sys.modules.get("opcontracts.patch")
     was_patched = patch_mod is not None and patch_mod.is_applied()
     import opcontracts.patch as patch
+
+    from .._lang import modes
 
     patch.apply()
     saved_argv, saved_path0 = list(sys.argv), (sys.path[0] if sys.path else None)
@@ -263,7 +263,7 @@ def run(opts: RunOptions) -> int:
     saved_env = os.environ.get("OPCONTRACTS_MODE")
     prev_mode = None
     if opts.mode is not None:
-        prev_mode = opcontracts.set_mode(opts.mode)
+        prev_mode = modes.set_mode(opts.mode)
         os.environ["OPCONTRACTS_MODE"] = opts.mode  # for processes the script starts
     watchers = _Watchers(opts)
     status = 1
@@ -276,7 +276,7 @@ def run(opts: RunOptions) -> int:
         if saved_path0 is not None:
             sys.path[0] = saved_path0
         if prev_mode is not None:
-            opcontracts.set_mode(prev_mode)
+            modes.set_mode(prev_mode)
             if saved_env is None:
                 os.environ.pop("OPCONTRACTS_MODE", None)
             else:
@@ -298,7 +298,7 @@ class _Results:
 
 
 class _Watchers:
-    """The observers of the guarded calls a run attaches (``_observe``): the call statistics
+    """The observers of the guarded calls a run attaches (``_observers.layer``): the call statistics
     always, the sentinel, the compare and the recorder when asked."""
 
     def __init__(self, opts: RunOptions) -> None:
@@ -310,31 +310,31 @@ class _Watchers:
         self.problems: list[str] = []
 
     def start(self) -> None:
-        from . import _observe
-        from ._stats import CallStats
+        from .._observers import layer
+        from .._observers.stats import CallStats
 
         self.stats = CallStats()
-        _observe.attach(self.stats, who="opcontracts run")
+        layer.attach(self.stats, who="opcontracts run")
         if self.opts.nan_check:
-            from .nan import NanSentinel
+            from ..nan import NanSentinel
 
             self.sentinel = NanSentinel().enable()
         if self.opts.compare is not None:
-            from .compare import ShadowCompare
+            from ..compare import ShadowCompare
 
             self.compare = ShadowCompare(sample=self.opts.compare).enable()
         if self.opts.record is not None:
-            from .record import Recorder
+            from ..record import Recorder
 
             watch = {t: t for t in self.opts.record_targets}
             try:
                 self.recorder = Recorder(watch=watch).enable()
-            except _observe.WatchError as exc:
+            except layer.WatchError as exc:
                 self.problems.append(f"--record-target: {exc}")
                 self.recorder = Recorder().enable()
 
     def stop(self) -> _Results:
-        from . import _observe
+        from .._observers import layer
 
         out = _Results(problems=self.problems)
         if self.sentinel is not None:
@@ -344,14 +344,14 @@ class _Watchers:
         if self.recorder is not None:
             out.recorder = self.recorder.disable()
         if self.stats is not None:
-            _observe.detach(self.stats)
+            layer.detach(self.stats)
             out.stats = self.stats.snapshot()
         return out
 
 
 # --------------------------------------------------------------------------- the end of a run
 def _world() -> tuple[int | None, int]:
-    from ._report import current_rank
+    from .._engine.records import current_rank
 
     rank = current_rank()
     ws = os.environ.get("WORLD_SIZE", "")
@@ -378,7 +378,7 @@ def _payload(rep: Any, res: _Results) -> dict[str, Any]:
 def _finish(opts: RunOptions, res: _Results) -> None:
     """Write the files (report JSON, golden run), then print the summary to stderr: rank 0
     alone, merged over the ranks, under torchrun."""
-    from . import _report
+    from .._engine import records as _report
 
     try:
         sys.stdout.flush()
@@ -413,7 +413,7 @@ def _finish(opts: RunOptions, res: _Results) -> None:
         notes.append(f"opcontracts: report written to {path}")
     parts: list[dict[str, Any]] | None = None
     if world > 1 and rank is not None:
-        from ._rankmerge import exchange
+        from .._ranks.rankmerge import exchange
 
         parts = exchange(payload, rank, world)
     if parts == []:  # another rank: rank 0 prints for everyone
@@ -458,8 +458,8 @@ def _summary_lines(rep: Any, res: _Results, quiet: bool) -> list[str]:
 
 def _merged_lines(parts: list[dict[str, Any]], world: int, quiet: bool) -> list[str]:
     """Rank 0's summary for the whole job, from every rank's part."""
-    from ._report import Report, merge_reports
-    from ._stats import RunStats, merge_stats
+    from .._engine.records import Report, merge_reports
+    from .._observers.stats import RunStats, merge_stats
 
     ranks = sorted(int(p["rank"]) for p in parts)
     reports = []
@@ -498,7 +498,7 @@ def _merged_lines(parts: list[dict[str, Any]], world: int, quiet: bool) -> list[
     cmp_parts = [(p["rank"], p["shadow_compare"]) for p in parts
                  if p.get("shadow_compare") is not None]
     if cmp_parts:
-        from .compare import merge_sections, merged_lines
+        from ..compare import merge_sections, merged_lines
 
         lines += merged_lines(merge_sections(cmp_parts))
     return lines

@@ -8,7 +8,7 @@ may be reused.  It reads ``at::Tensor`` fields directly, where Python pays a C g
 ``.dtype`` and a fresh ``torch.Size`` per ``.shape``: three tensors cost ~230 ns against ~330 ns
 for merely reading their dtypes and shapes in Python (``benchmarks/bench_overhead.py``).
 
-The guard in ``_enforce`` keeps up to ``CAPACITY`` such checks per number of positional
+The guard in ``_engine.enforce`` keeps up to ``CAPACITY`` such checks per number of positional
 arguments, learnt from calls the generated checker passed; a call that matches none of them goes
 through the generated checker as before.  A check holds no reference to any tensor (only types,
 dtypes, sizes and device indices), and a learnt check is never consulted while value checks are
@@ -74,7 +74,7 @@ def available() -> bool:
     if ok is None:
         raw = os.environ.get("OPCONTRACTS_MEMO", "").strip().lower()
         if raw not in ("", "0", "false", "no", "off", "1", "true", "yes", "on"):
-            from ._envwarn import warn_setting  # only speed depends on it: a warning
+            from .._lang.envwarn import warn_setting  # only speed depends on it: a warning
 
             warn_setting("OPCONTRACTS_MEMO", f"cannot read {raw!r}; expected 0/off (memo off) "
                          "or 1/on; the memo stays on")
