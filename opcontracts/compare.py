@@ -248,7 +248,7 @@ def _repaired(call: Call, args: tuple[Any, ...], kwargs: dict[str, Any],
     not.  The layer sits outside the guard and sees the arguments as the user passed them;
     judging the kernel's output against a reference of the unrepaired arguments would report
     the repair's own rounding as a divergence, so the reference runs on the repaired ones
-    (the same planner as the guard's, ``_engine.enforce.plan_fix``, on detached values)."""
+    (the same planner as the guard's, ``_engine.violations.plan_fix``, on detached values)."""
     from ._engine.enforce import compiled_of
     from ._engine.violations import _Bound, plan_fix
     from ._lang import modes

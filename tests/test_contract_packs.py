@@ -589,8 +589,8 @@ def test_value_checks_from_environment_variable() -> None:
     """OPCONTRACTS_VALUES=1 turns the value checks on for a process (read at import)."""
     code = (
         "import torch, opcontracts\n"
-        "from opcontracts import _registry\n"
-        "_registry.load_shipped()\n"
+        "from opcontracts._engine import registry\n"
+        "registry.load_shipped()\n"
         "opcontracts.set_versions(cann='8.0.RC3', torch_npu='2.13.0', soc='Ascend950')\n"
         "si = torch.zeros(8, dtype=torch.int32)\n"
         "pt = torch.zeros(8, 4, dtype=torch.bfloat16)\n"

@@ -29,8 +29,9 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
+from opcontracts import cli
 from opcontracts._observers import modpath
-from opcontracts._tools import demo, demo_dist
+from opcontracts._tools import demo_dist
 from opcontracts.nan import NanEvent
 
 needs_gloo = pytest.mark.skipif(
@@ -271,13 +272,13 @@ def test_sentinel_event_names_both_paths() -> None:
 def test_bad_options(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     for var in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
-    assert demo.main(["--fsdp", "2"]) == 2
+    assert cli.main(["demo", "--fsdp", "2"]) == 2
     assert "give --ranks N too" in capsys.readouterr().err
-    assert demo.main(["--ranks", "0"]) == 2
+    assert cli.main(["demo", "--ranks", "0"]) == 2
     assert "--ranks must be between 1 and" in capsys.readouterr().err
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert demo.main(["--ranks", "3"]) == 2  # under torchrun: the job's size decides
+    assert cli.main(["demo", "--ranks", "3"]) == 2  # under torchrun: the job's size decides
     assert "one rank of a job of 2" in capsys.readouterr().err
 
 

@@ -167,7 +167,7 @@ def test_repeated_fixes_at_one_site_replay_and_fall_back_correctly():
 
 
 def test_same_metadata_at_one_site_takes_the_learnt_repair():
-    from opcontracts._engine.enforce import _site_cache
+    from opcontracts._engine.violations import _site_cache
 
     tokens, idx, probs = inputs()
     seen.clear()
