@@ -1,10 +1,24 @@
-"""The package layout: no import cycle, lazy imports included, and the package root imported by
-nobody inside it but the entry points.  (The layer order itself is import-linter's contract in
-pyproject.toml, run by ``lint-imports`` in CI; this is what a layers contract cannot say.)"""
+"""The package layout: no import cycle, lazy imports included; the package root imported by
+nobody inside it but the entry points; and docs/architecture.md, the map, true to the tree and
+to the layers contract.  (The layer order itself is import-linter's contract in pyproject.toml,
+run by ``lint-imports`` in CI; these are what a layers contract cannot say.)"""
 
 from __future__ import annotations
 
+import re
+import sys
+from fnmatch import fnmatch
+from pathlib import Path
+
 import pytest
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parent.parent
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
 
 grimp = pytest.importorskip("grimp")  # comes with import-linter (the `test` extra)
 
@@ -75,3 +89,25 @@ def test_no_import_cycles(graph) -> None:  # type: ignore[no-untyped-def]
 def test_only_entry_points_import_the_package_root(graph) -> None:  # type: ignore[no-untyped-def]
     importers = set(graph.find_modules_that_directly_import("opcontracts"))
     assert importers <= ROOT_IMPORTERS, sorted(importers - ROOT_IMPORTERS)
+
+
+# --------------------------------------------------------------------------- the map stays true
+def _layers_in_pyproject() -> list[str]:
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    [layers] = [c for c in data["tool"]["importlinter"]["contracts"] if c["type"] == "layers"]
+    return [" ".join(layer.split()) for layer in layers["layers"]]
+
+
+def test_architecture_page_states_the_layers_contract() -> None:
+    text = ARCHITECTURE.read_text(encoding="utf-8")
+    block = text.split("## The contract that holds the layers", 1)[1].split("```text\n", 1)[1]
+    shown = [" ".join(line.split()) for line in block.split("```", 1)[0].splitlines()]
+    assert shown == _layers_in_pyproject()
+
+
+def test_architecture_page_names_every_module() -> None:
+    """Each module of the package is on the map (by name, or by a pattern such as `_fam_*.py`)."""
+    names = set(re.findall(r"[\w*]+\.py\b", ARCHITECTURE.read_text(encoding="utf-8")))
+    missing = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "opcontracts").rglob("*.py")
+                     if not any(fnmatch(p.name, n) for n in names))
+    assert not missing, f"not in docs/architecture.md: {missing}"
