@@ -67,6 +67,8 @@ def _rules(arg: Arg) -> str:
         from ._lang.values import describe
 
         parts.append("values: " + describe(arg.values))
+    if arg.layer is not None:
+        parts.append(f"layer {arg.layer}")
     return ", ".join(parts) or "-"
 
 
@@ -110,11 +112,13 @@ def _print_contract(c: Contract, status: str, indent: str = "  ") -> None:
     targets = [t + (f" ({why})" if (why := _target_status(t)) else "") for t in c.targets]
     print(f"{indent}  targets: {', '.join(targets) or '-'}")
     print(f"{indent}  source:  {c.source or '-'}")
+    if c.layer is not None:
+        print(f"{indent}  layer:   {c.layer}")
     width = max((len(n) for n in c.args), default=0)
     for name, a in c.args.items():
         print(f"{indent}  {name:<{width}}  {_rules(a)}")
     for case in c.cases:
-        print(f"{indent}  when {case.condition_text}:")
+        print(f"{indent}  when {case.condition_text}:" + (f" (layer {case.layer})" if case.layer else ""))
         for name, a in case.args.items():
             print(f"{indent}    {name:<{width}}  {_rules(a)}")
 
@@ -274,7 +278,7 @@ def _list_json(ns: argparse.Namespace, env: Env,
                 "applies": ok, "status": _STATUS[ok],
                 "why": _versions.explain(c.when, env) if c.when is not None else None,
                 "when": c.when.model_dump(mode="json", exclude_none=True) if c.when else None,
-                "file": c.file, "source": c.source,
+                "file": c.file, "source": c.source, "layer": c.layer,
                 "targets": [{"target": t, "unavailable": _target_status(t)} for t in c.targets],
                 "args": {name: _arg_json(a) for name, a in c.args.items()},
                 "cases": [{"if": case.condition_text, "source": case.source,

@@ -117,10 +117,27 @@ def got_text(actual: str) -> str:
     return actual
 
 
+_LAYER_SAYS = {
+    "torch_npu": "torch_npu's own check decides: the rule follows the torch_npu release",
+    "cann": "op-plugin passes the call to aclnn: the CANN kernel decides",
+    "mindspeed": "MindSpeed's own check decides",
+    "meta": "the op's meta kernel decides",
+}
+
+
+def source_text(source: str | None, layer: str | None) -> str:
+    """A rule's source as a message's ``source:`` line shows it: with the layer that decides
+    (``... (layer cann: op-plugin passes the call to aclnn: the CANN kernel decides)``)."""
+    text = source or "-"
+    if layer:
+        text += f" (layer {layer}: {_LAYER_SAYS.get(layer, layer)})"
+    return text
+
+
 def format_violation(
     *, op: str, arg: str | None, rule: str, expected: str, actual: str,
     bindings: Mapping[str, int], call_site: str | None, source: str | None, fix: str | None,
-    mode: str | None = None, rank: int | None = None,
+    mode: str | None = None, rank: int | None = None, layer: str | None = None,
 ) -> str:
     head = f"{op}: argument '{arg}' {actual}, expected {expected}" if arg else \
         f"{op}: {actual}, expected {expected}"
@@ -132,8 +149,8 @@ def format_violation(
         lines.append("  bindings:  " + ", ".join(f"{k}={v}" for k, v in bindings.items()))
     if call_site:
         lines.append(f"  call site: {call_site}")
-    if source:
-        lines.append(f"  source:    {source}")
+    if source or layer:
+        lines.append(f"  source:    {source_text(source, layer)}")
     if fix:
         lines.append(f"  fix:       {fix}")
     if mode:
@@ -151,7 +168,7 @@ class ContractViolation(OpContractsError, TypeError):
         self, *, op: str, arg: str | None, rule: str, expected: str, actual: str,
         bindings: Mapping[str, int] | None = None, call_site: str | None = None,
         source: str | None = None, fix: str | None = None, others: tuple[Any, ...] = (),
-        rank: int | None = None,
+        rank: int | None = None, layer: str | None = None,
     ) -> None:
         self.op = op
         self.arg = arg
@@ -164,6 +181,8 @@ class ContractViolation(OpContractsError, TypeError):
         self.fix = fix
         self.others = others
         self.rank = rank
+        self.layer = layer
+        """the layer whose check decides the broken rule (``spec.LAYERS``), or None"""
         super().__init__(self._message())
 
     @property
@@ -175,7 +194,7 @@ class ContractViolation(OpContractsError, TypeError):
         return format_violation(
             op=self.op, arg=self.arg, rule=self.rule, expected=self.expected,
             actual=self.actual, bindings=self.bindings, call_site=self.call_site,
-            source=self.source, fix=self.fix, rank=self.rank,
+            source=self.source, fix=self.fix, rank=self.rank, layer=self.layer,
         )
 
     def __reduce__(self) -> Any:  # keep picklable across processes (torch.distributed, pytest-xdist)

@@ -73,6 +73,8 @@ class Rule:
     arg_spec: Arg | None = None
     partner: str | None = None
     detail: Any = None
+    layer: str | None = None
+    """the layer whose check decides the rule (``spec.LAYERS``), when the contract says"""
 
 
 @dataclass
@@ -140,6 +142,7 @@ class _Gen:
         self.in_case = False
         self.context = ""
         self.case_source: str | None = None
+        self.case_layer: str | None = None
 
     # -- helpers -----------------------------------------------------------------------
     def const(self, value: Any) -> str:
@@ -151,8 +154,9 @@ class _Gen:
              partner: str | None = None, detail: Any = None) -> int:
         source = (spec.source if spec is not None and spec.source else None) \
             or self.case_source or self.c.source
+        layer = (spec.layer if spec is not None else None) or self.case_layer or self.c.layer
         self.rules.append(Rule(self.c.op, arg, kind, expected + self.context, source, spec,
-                               partner, detail))
+                               partner, detail, layer))
         return len(self.rules) - 1
 
     def emit(self, indent: int, line: str) -> None:
@@ -465,11 +469,13 @@ class _Gen:
         before, mark, bound = len(self.lines), len(self.deferred), set(self.bound)
         self.base, self.in_case = 2, True
         self.context, self.case_source = f" (when {case.condition_text})", case.source
+        self.case_layer = case.layer
         try:
             for name, spec in args.items():
                 self.arg_code(name, spec)
         finally:
             self.base, self.in_case, self.context, self.case_source = 1, False, "", None
+            self.case_layer = None
             self.bound = bound
         if len(self.lines) == before:
             self.emit(2, "pass")

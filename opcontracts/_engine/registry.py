@@ -221,8 +221,17 @@ def _merge_arg(a: Arg, b: Arg) -> Arg:
     elif b.dtype is not None:
         data["dtype_if_present"] = b.dtype_if_present
     data["optional"] = a.optional and b.optional
-    data["source"] = join_sources(a.source, b.source)
+    if a.layer != b.layer and a.layer is not None and b.layer is not None:
+        # rules of two layers in one argument: each source says its layer
+        data["layer"] = None
+        data["source"] = join_sources(_with_layer(a.source, a.layer), _with_layer(b.source, b.layer))
+    else:
+        data["source"] = join_sources(a.source, b.source)
     return Arg.model_validate({("list" if k == "tensor_list" else k): v for k, v in data.items()})
+
+
+def _with_layer(source: str | None, layer: str | None) -> str | None:
+    return source if layer is None else f"{source or 'no source'} (layer {layer})"
 
 
 def _names(shapes: tuple[str, ...]) -> set[str]:
@@ -259,17 +268,17 @@ def merge_contracts(items: list[Contract]) -> Contract:
     args: dict[str, Arg] = {}
     for c in items:
         for name, a in c.args.items():
-            if name in args:
-                a2 = a.model_copy(update={"source": a.source or c.source})
-                args[name] = _merge_arg(args[name], a2)
-            else:
-                args[name] = a.model_copy(update={"source": a.source or c.source})
+            own = a.model_copy(update={"source": a.source or c.source, "layer": a.layer or c.layer})
+            args[name] = _merge_arg(args[name], own) if name in args else own
     targets = tuple(dict.fromkeys(t for c in items for t in c.targets))
+    layers = {c.layer for c in items}
     return Contract(
         first.op, args, targets=targets,
         source=join_sources(*(c.source for c in items)),
+        layer=layers.pop() if len(layers) == 1 else None,
         signature=first.signature, same_device=any(c.same_device for c in items),
-        cases=_unique_cases(c.cases for c in items),
+        cases=_unique_cases(tuple(k.model_copy(update={"layer": k.layer or c.layer})
+                                  for k in c.cases) for c in items),
         doc=first.doc, file=first.file,
     )
 

@@ -201,7 +201,7 @@ def violation_from_raw(raw: RawViolation, site: CallSite | None, partner_value: 
         op=rule.op, arg=arg, rule=rule.kind, expected=_expected(raw, partner_value),
         actual=_actual(raw),
         bindings=raw.bindings, call_site=str(site) if site else None, source=rule.source,
-        fix=_hint(raw, partner_value), rank=current_rank(),
+        fix=_hint(raw, partner_value), rank=current_rank(), layer=rule.layer,
     )
 
 
