@@ -412,9 +412,24 @@ class _Gen:
             if len(self.lines) == before and ind > 1:  # an optional argument with no rule to run
                 self.emit(ind, "pass")
 
+    def default_of(self, arg: str) -> Any:
+        """The value a left-out ``arg`` takes (the signature's or schema's default), or
+        ``MISSING`` when there is none (or it is None: nothing to check)."""
+        p = next((p for p in self.params if p.name == arg), None)
+        return p.default if p is not None and p.has_default and p.default is not None else MISSING
+
+    def fail_default(self, rid: int, default: Any) -> str:
+        """Fail a left-out argument whose default breaks the rule (decided when compiling: a
+        default that conforms costs the checker nothing)."""
+        if self.fast:
+            return "return False"
+        return (f"return _oc_V({rid}, {self.const(default)}, {self.bdict()}, None, "
+                "'left out: its default')")
+
     def scalar(self, arg: str, spec: Arg) -> None:
         v = arg
         present = f"{v} is not _oc_M and {v} is not None"
+        default = self.default_of(arg)
         if not spec.optional:  # None for a required scalar is a missing value, whatever its rules
             rid = self.rule(arg, "missing", "a value (this argument is not optional)", spec)
             self.emit(self.base, f"if {v} is None: {self.fail(rid, v)}")
@@ -422,6 +437,8 @@ class _Gen:
             rid = self.rule(arg, "allowed", "one of " + ", ".join(map(repr, spec.allowed)), spec)
             self.emit(self.base, f"if {present} and {v} not in {self.const(tuple(spec.allowed))}: "
                          f"{self.fail(rid, v)}")
+            if default is not MISSING and default not in spec.allowed:
+                self.emit(self.base, f"if {v} is _oc_M: {self.fail_default(rid, default)}")
         bounds = [(n, getattr(spec, n)) for n in ("ge", "le", "lt") if getattr(spec, n) is not None]
         if bounds and not self.fast:
             # a value that cannot be compared with a number ("abc" against ge=1) is a violation
@@ -435,6 +452,8 @@ class _Gen:
             rid = self.rule(arg, "bound", f"{sym} {bound}", spec, detail=(sym, bound))
             if isinstance(bound, int):
                 self.emit(self.base, f"if {present} and {v} {op_sym} {bound}: {self.fail(rid, v)}")
+                if isinstance(default, numbers.Real) and not _holds(default, sym, bound):
+                    self.emit(self.base, f"if {v} is _oc_M: {self.fail_default(rid, default)}")
             else:
                 d = parse_shape(bound).dims[0]
                 py = d.py or d.text
@@ -445,6 +464,12 @@ class _Gen:
                 self.deferred.append(
                     (f"if {present} and {guard} and {v} {op_sym} {py}: "
                      f"return _oc_V({rid}, {v}, __BINDINGS__, None)", 1))
+                if isinstance(default, numbers.Real):  # left out: its default against the sizes
+                    c = self.const(default)
+                    self.deferred.append(
+                        (f"if {v} is _oc_M and {guard} and {c} {op_sym} {py}: "
+                         f"return _oc_V({rid}, {c}, __BINDINGS__, None, 'left out: its default')",
+                         1))
 
     def case_code(self, case: Any) -> None:
         """The rules of one ``Case``, under its condition (a wrapper without one of the
@@ -559,6 +584,10 @@ class _Gen:
         fn = self.ns[fname]
         return CompiledContract(c, tuple(self.params), fn, rules, src, filename,
                                 self.has_values, self.tensor_args, fn)
+
+
+def _holds(value: Any, sym: str, bound: int) -> bool:
+    return bool({">=": value >= bound, "<=": value <= bound, "<": value < bound}[sym])
 
 
 def _int_list_tensor(v: list[Any] | tuple[Any, ...]) -> Any:

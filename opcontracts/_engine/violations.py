@@ -47,7 +47,7 @@ def _actual(raw: RawViolation) -> str:
     if kind == "value":
         return f"{raw.note}"
     if kind in ("allowed", "bound"):
-        return f"is {v!r}"
+        return f"is {v!r}" + (f" ({raw.note})" if raw.note else "")
     if kind == "list_len":
         return f"has {len(v)} tensors"
     if not isinstance(v, torch.Tensor):
