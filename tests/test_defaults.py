@@ -57,7 +57,7 @@ def test_schema_defaults_of_a_torch_op(npu) -> None:  # type: ignore[no-untyped-
     from opcontracts._compile import compile_contract
     from opcontracts._enforce import check_call, params_of
 
-    op = npu.npu_moe_init_routing_v2
+    op = getattr(npu.npu_moe_init_routing_v2, "__wrapped__", npu.npu_moe_init_routing_v2)  # the packet
     c = Contract("routing_defaults", {"x": Arg("bf16", "N H"),
                                       "expert_tokens_num_type": Arg(allowed=[1, 2])})
     cc = compile_contract(c, params_of(op, c))
