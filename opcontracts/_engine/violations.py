@@ -102,6 +102,35 @@ def _fix_target(raw: RawViolation, partner_value: Any) -> torch.dtype | None:
     return None
 
 
+def why_not_fixed(raw: RawViolation, partner_value: Any) -> str | None:
+    """Why ``fix`` mode leaves this violation to the user, in words (None: it is not a dtype
+    matter, or a cast would repair it)."""
+    v, rule = raw.value, raw.rule
+    spec = rule.arg_spec
+    if not isinstance(v, torch.Tensor) or spec is None:
+        return None
+    if rule.kind not in ("dtype", "same_dtype"):
+        return f"a {rule.kind} rule cannot be repaired by a cast"
+    if spec.fix == "never":
+        return "the contract says fix = \"never\" for this argument"
+    if rule.kind == "same_dtype":
+        if v.is_floating_point():
+            return None
+        return "fix mode casts only floating tensors to their partner's dtype"
+    allowed = [parse_dtype(d) for d in spec.dtype or ()]
+    if v.is_floating_point():
+        return None if any(d.is_floating_point for d in allowed) else \
+            "no floating dtype is allowed here: a cast would change what the values mean"
+    ints = [d for d in allowed if not d.is_floating_point and not d.is_complex and d is not torch.bool]
+    if spec.fix != "cast":
+        to = f" -> {dtype_name(ints[0])}" if ints else ""
+        return (f"fix mode casts floats only; an integer or bool cast ({dtype_name(v.dtype)}{to}) "
+                "needs fix = \"cast\" on the argument, which checks that the values fit")
+    if not ints or v.is_complex() or v.dtype is torch.bool:
+        return "no integer dtype is allowed here"
+    return f"the values do not fit in {', '.join(dtype_name(d) for d in ints)}"
+
+
 def _concrete(spec: ShapeSpec, bindings: dict[str, int]) -> str:
     """A shape with the sizes the bindings decide filled in: ``(8, H)`` for ``N*K H``."""
     dims = []
@@ -532,6 +561,10 @@ def _fix_and_call(raw: RawViolation, cc: CompiledContract, fn: Callable[..., Any
         for r in repairs:
             exc = violation_from_raw(r.raw, site, r.partner)
             _record_and_message(exc, site, _modes.FIX, False)
+        why = why_not_fixed(repairs[-1].raw, repairs[-1].partner)
+        if why:
+            exc.fix = f"{exc.fix or 'repair it in the calling code'} (fix mode did not cast: {why})"
+            exc.args = (exc._message(),)
         raise exc
     keys: list[tuple[str, str | None, str, str, str]] = []
     messages: list[str] = []
