@@ -16,6 +16,7 @@ __all__ = [
     "ContractViolation",
     "ContractWarning",
     "ContractFixWarning",
+    "ContractConditionalWarning",
     "format_violation",
 ]
 
@@ -138,6 +139,7 @@ def format_violation(
     *, op: str, arg: str | None, rule: str, expected: str, actual: str,
     bindings: Mapping[str, int], call_site: str | None, source: str | None, fix: str | None,
     mode: str | None = None, rank: int | None = None, layer: str | None = None,
+    reading: str | None = None,
 ) -> str:
     head = f"{op}: argument '{arg}' {actual}, expected {expected}" if arg else \
         f"{op}: {actual}, expected {expected}"
@@ -151,6 +153,8 @@ def format_violation(
         lines.append(f"  call site: {call_site}")
     if source or layer:
         lines.append(f"  source:    {source_text(source, layer)}")
+    if reading:
+        lines.append(f"  readings:  {reading}")
     if fix:
         lines.append(f"  fix:       {fix}")
     if mode:
@@ -168,7 +172,7 @@ class ContractViolation(OpContractsError, TypeError):
         self, *, op: str, arg: str | None, rule: str, expected: str, actual: str,
         bindings: Mapping[str, int] | None = None, call_site: str | None = None,
         source: str | None = None, fix: str | None = None, others: tuple[Any, ...] = (),
-        rank: int | None = None, layer: str | None = None,
+        rank: int | None = None, layer: str | None = None, reading: str | None = None,
     ) -> None:
         self.op = op
         self.arg = arg
@@ -183,6 +187,9 @@ class ContractViolation(OpContractsError, TypeError):
         self.rank = rank
         self.layer = layer
         """the layer whose check decides the broken rule (``spec.LAYERS``), or None"""
+        self.reading = reading
+        """which of the possible readings of the op's contracts decided, when versions are
+        unknown or several targets are declared (None: one reading)"""
         super().__init__(self._message())
 
     @property
@@ -195,6 +202,7 @@ class ContractViolation(OpContractsError, TypeError):
             op=self.op, arg=self.arg, rule=self.rule, expected=self.expected,
             actual=self.actual, bindings=self.bindings, call_site=self.call_site,
             source=self.source, fix=self.fix, rank=self.rank, layer=self.layer,
+            reading=self.reading,
         )
 
     def __reduce__(self) -> Any:  # keep picklable across processes (torch.distributed, pytest-xdist)
@@ -216,3 +224,10 @@ class ContractWarning(UserWarning):
 
 class ContractFixWarning(ContractWarning):
     """``fix`` mode repaired an argument (cast it); shown once per call site and rule."""
+
+
+class ContractConditionalWarning(ContractWarning):
+    """A call that some of the stacks still possible reject and others accept (a version or
+    the chip is unknown, no target declared): not a violation, so strict mode warns instead of
+    raising and fix mode does not cast.  Declaring the target (``opcontracts.set_targets``,
+    ``OPCONTRACTS_TARGETS``, ``[tool.opcontracts] targets``) decides it."""

@@ -101,6 +101,9 @@ class CompiledContract:
     fast_source: str = ""
     key: int = -1
     """index in ``BY_KEY``: how code traced by torch.compile names this contract as a constant"""
+    origin: Any = None
+    """the contract it was compiled from (``contract`` may lack the arguments the guarded
+    callable does not take): how the slow path finds the registry's readings behind it"""
 
 
 _counter = itertools.count()
@@ -657,6 +660,7 @@ def compile_contract(contract: Contract, params: Sequence[Param] | None = None) 
     careful.fast = quick.check  # type: ignore[assignment]  # returns bool in fast mode
     careful.fast_source = quick.source_code
     careful.key = next(_counter)
+    careful.origin = contract
     BY_KEY[careful.key] = careful
     FAST_BY_KEY[careful.key] = quick.check
     OP_BY_KEY[careful.key] = contract.op

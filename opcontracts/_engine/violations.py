@@ -22,6 +22,7 @@ from .._lang import values as _values
 from .._lang.dtypes import dtype_name, int_range, parse_dtype
 from .._lang.shapes import ShapeSpec, eval_dim, parse_shape
 from ..errors import ContractFixWarning, ContractViolation, ContractWarning
+from . import conditional as _conditional
 from . import memo, nesting
 from . import records as _report_mod
 from . import registry as _registry
@@ -223,14 +224,14 @@ def _expected(raw: RawViolation, partner_value: Any) -> str:
 
 
 def violation_from_raw(raw: RawViolation, site: CallSite | None, partner_value: Any = None,
-                       ) -> ContractViolation:
+                       reading: str | None = None) -> ContractViolation:
     rule = raw.rule
     arg = rule.arg if raw.index is None else f"{rule.arg}[{raw.index}]"
     return ContractViolation(
         op=rule.op, arg=arg, rule=rule.kind, expected=_expected(raw, partner_value),
         actual=_actual(raw),
         bindings=raw.bindings, call_site=str(site) if site else None, source=rule.source,
-        fix=_hint(raw, partner_value), rank=current_rank(), layer=rule.layer,
+        fix=_hint(raw, partner_value), rank=current_rank(), layer=rule.layer, reading=reading,
     )
 
 
@@ -253,6 +254,7 @@ def reset_warnings() -> None:
         _registries.clear()
     _site_cache.clear()
     _nested_sites.clear()
+    _conditional.reset()
 
 
 # --------------------------------------------------------------------------- slow path
@@ -392,6 +394,23 @@ def _violated(m: _modes.Mode, cc: CompiledContract, fn: Callable[..., Any],
     """
     __tracebackhide__ = True  # pytest: show the user's frame, not ours
     caller = sys._getframe(depth)
+    reading, decided = None, None
+    if _conditional.resolution(cc) is not None:
+        # the op's readings disagree (a version unknown, several targets): judged on each
+        if _conditional.repeat(cc, caller.f_code, caller.f_lineno, args, kwargs):
+            return fn(*args, **kwargs)
+        try:
+            first = cc.check(*args, **kwargs)
+        except TypeError:  # the arguments do not even bind: let the original say so
+            return fn(*args, **kwargs)
+        verdict = _conditional.judge(cc, args, kwargs) if first is not None else None
+        if verdict is None or verdict.decided is None:
+            if verdict is not None and verdict.conditional:
+                _conditional.warn_conditional(verdict, cc, _actual, caller, args, kwargs)
+            return fn(*args, **kwargs)  # conditional (warned), or accepted on every reading
+        reading = _conditional.reading_note(verdict)
+        if verdict.resolution.targets:  # a declared target rejects: in its own contract's words
+            decided = verdict.decided[1]
     outer = nesting.outer() if m is not _modes.STRICT else None
     if outer is not None:  # inside a violating guarded call: the same mistake, attached to it
         return _nested(outer, m, cc, fn, args, kwargs, caller)
@@ -417,6 +436,8 @@ def _violated(m: _modes.Mode, cc: CompiledContract, fn: Callable[..., Any],
         return fn(*args, **kwargs)
     if raw is None:  # e.g. the fast check is stricter about an exotic argument type
         return fn(*args, **kwargs)
+    if decided is not None and m is not _modes.FIX:
+        raw = decided
     ckey = (cc.key, id(raw.rule), caller.f_code, caller.f_lineno, m)
     entry = _site_cache.get(ckey)
     if entry is not None and m is _modes.WARN:
@@ -427,7 +448,7 @@ def _violated(m: _modes.Mode, cc: CompiledContract, fn: Callable[..., Any],
     b = _Bound(cc, args, kwargs)
     if m is _modes.FIX:
         return _fix_and_call(raw, cc, fn, b, site, (cc.key, caller.f_code, caller.f_lineno, m))
-    exc = violation_from_raw(raw, site, b.get(raw.rule.partner))
+    exc = violation_from_raw(raw, site, b.get(raw.rule.partner), reading)
     msg, _ = _record_and_message(exc, site, m, False)
     if m is _modes.WARN:
         key = (exc.op, exc.arg, exc.rule, str(site) if site else "?", m.value)
