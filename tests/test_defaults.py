@@ -39,8 +39,8 @@ def test_a_left_out_argument_is_checked_with_its_default() -> None:
 
 
 def test_a_conforming_default_adds_no_check() -> None:
-    from opcontracts._compile import compile_contract
-    from opcontracts._enforce import params_of
+    from opcontracts._engine.compile import compile_contract
+    from opcontracts._engine.enforce import params_of
 
     ok = Contract("defaults_ok", {"x": Arg("fp32"), "mode": Arg(allowed=[0, 1])})
 
@@ -54,8 +54,8 @@ def test_a_conforming_default_adds_no_check() -> None:
 def test_schema_defaults_of_a_torch_op(npu) -> None:  # type: ignore[no-untyped-def]
     """A dispatcher op's schema defaults count too: npu_moe_init_routing_v2 leaves
     expert_tokens_num_type at 0 (vllm-ascend's all-to-all path), checked as if passed."""
-    from opcontracts._compile import compile_contract
-    from opcontracts._enforce import check_call, params_of
+    from opcontracts._engine.compile import compile_contract
+    from opcontracts._engine.enforce import check_call, params_of
 
     op = getattr(npu.npu_moe_init_routing_v2, "__wrapped__", npu.npu_moe_init_routing_v2)  # the packet
     c = Contract("routing_defaults", {"x": Arg("bf16", "N H"),

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import opcontracts
-from opcontracts import _registry
+from opcontracts._engine import registry as _registry
 from opcontracts.errors import ContractFileError
 from opcontracts.spec import LAYERS, contracts_from_toml
 

@@ -22,8 +22,11 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from .._lang import values as _values
+from .._lang import versions as _versions
 from ..errors import ContractConditionalWarning, source_text
-from . import _registry, _values, _versions, memo
+from . import memo
+from . import registry as _registry
 from .callsite import CallSite, find_call_site
 from .compile import CompiledContract, RawViolation, compile_contract
 

@@ -406,7 +406,7 @@ def _violated(m: _modes.Mode, cc: CompiledContract, fn: Callable[..., Any],
         verdict = _conditional.judge(cc, args, kwargs) if first is not None else None
         if verdict is None or verdict.decided is None:
             # (inside a violating guarded call the user's mistake is already reported)
-            if verdict is not None and verdict.conditional and _nesting.outer() is None:
+            if verdict is not None and verdict.conditional and nesting.outer() is None:
                 _conditional.warn_conditional(verdict, cc, _actual, caller, args, kwargs)
             return fn(*args, **kwargs)  # conditional (warned), or accepted on every reading
         reading = _conditional.reading_note(verdict)
