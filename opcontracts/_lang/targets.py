@@ -30,7 +30,7 @@ import dataclasses
 import os
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,7 +43,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["VAR", "Target", "set_targets", "declared", "stacks", "stack_label", "find_pyproject",
+__all__ = ["VAR", "Target", "set_targets", "declared", "stacks", "judged", "find_pyproject",
            "parse_targets_text", "check"]
 
 VAR = "OPCONTRACTS_TARGETS"
@@ -257,9 +257,24 @@ def stacks(env: Env, targets: tuple[Target, ...] | None = None) -> tuple[Env, ..
     return tuple(out)
 
 
-def stack_label(env: Env, targets: tuple[Target, ...] | None, index: int) -> str:
-    """How a message names stack ``index``: its target's label, or "this environment"."""
-    chosen = declared()[0] if targets is None else targets
-    if chosen and index < len(chosen):
-        return chosen[index].label
-    return "this environment"
+def judged(flags: Sequence[Mapping[str, str] | str] | None = None,
+           env: Env | None = None) -> list[tuple[str, Env]]:
+    """The stacks a tool judges against, each with its label for messages: the tool's own flags
+    (tables, or strings in ``OPCONTRACTS_TARGETS``'s form), else the declared targets, else this
+    environment (``versions.current()``).  ``SettingError`` on a bad flag or setting."""
+    from . import versions
+
+    base = versions.current() if env is None else env
+    chosen: tuple[Target, ...] | None = None
+    if flags:
+        items: list[Target] = []
+        for i, f in enumerate(flags):
+            where = f"target #{i + 1}"
+            items.extend(parse_targets_text(f, where) if isinstance(f, str) else (_target(f, where),))
+        chosen = tuple(items)
+    else:
+        chosen = declared()[0]
+    out = stacks(base, chosen)
+    if not chosen:
+        return [("this environment", out[0])]
+    return [(t.label, e) for t, e in zip(chosen, out)]
