@@ -84,6 +84,12 @@ def test_conditional_warns_once_per_site_and_repeats_skip_the_readings(op: Any) 
         op(X, I16)  # other metadata at the same line: judged again, and rejected everywhere
 
 
+def test_check_judges_as_a_guard_does(op: Any) -> None:
+    assert len(_conditional(opcontracts.check, "tgt_op", X, I32)) == 1  # no raise
+    with pytest.raises(ContractViolation, match="rejected on each of the 2 readings"):
+        opcontracts.check("tgt_op", X, I16)
+
+
 def test_fix_mode_does_not_cast_a_conditional_call(op: Any) -> None:
     seen: list[torch.dtype] = []
 
