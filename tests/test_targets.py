@@ -192,6 +192,20 @@ def test_a_bad_env_var_stops_the_start_up_not_a_call(monkeypatch: pytest.MonkeyP
         opcontracts.enforce("npu_moe_token_permute")(lambda tokens, indices: tokens)
 
 
+def test_a_bad_env_var_stops_import_opcontracts_patch() -> None:
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPCONTRACTS_")}
+    env[targets.VAR] = "cann=eight"
+    proc = subprocess.run([sys.executable, "-c", "import opcontracts.patch"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "opcontracts.errors.SettingError: OPCONTRACTS_TARGETS, field cann: 'eight' is not a "
+        "version (try '2.10.0.post4' or '8.0.RC3')")
+
+
 def test_pyproject_found_from_the_working_directory_upwards(tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(targets.VAR, raising=False)
