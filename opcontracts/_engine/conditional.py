@@ -157,4 +157,5 @@ def reading_note(verdict: Verdict) -> str:
         return f"rejected on {stack}{more}"
     return (f"{_unknown_text(res)}: rejected on each of the {n} readings "
             f"({'; '.join(x.label for x in res.readings)}); the message shows the strictest, "
-            f"which the fix satisfies on all of them")
+            f"which the fix satisfies on all of them (a declared target shows its own rule: "
+            f"OPCONTRACTS_TARGETS, see docs/targets.md)")
