@@ -256,6 +256,9 @@ def test_judged_stacks_for_tools(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(targets.VAR, "none")
     [(label, env)] = targets.judged()
     assert label == "this environment"
+    registry.register([NEW, OLD])
+    res = registry.resolution_on("tgt_op", targets.parse_targets_text("cann=8.0.RC3"))
+    assert not res.split and res.strict is OLD
 
 
 def test_env_command_shows_the_targets_and_where_from(monkeypatch: pytest.MonkeyPatch,
