@@ -53,7 +53,8 @@ def resolution(cc: CompiledContract) -> Resolution | None:
 
 
 def judge(cc: CompiledContract, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Verdict | None:
-    """The call on every reading of ``cc``'s resolution; None when there is one reading."""
+    """The call on every reading of ``cc``'s resolution; None when there is one reading (or the
+    readings cannot judge this call): the strict verdict stands."""
     res = resolution(cc)
     if res is None:
         return None
