@@ -295,3 +295,16 @@ def test_fix_mode_says_why_it_does_not_cast_integers() -> None:
         guarded(I32, torch.zeros(2, dtype=torch.bfloat16))
     assert ("(fix mode did not cast: fix mode casts floats only; an integer or bool cast "
             "(int32 -> int64) needs fix = \"cast\" on the argument") in str(err.value)
+
+
+def test_torch_compile_judges_on_the_readings_too(op: Any) -> None:
+    """The trace-time decision (``_engine/traced.py``) treats a conditional call as eager does:
+    a warning, and the call traced as it came (fullgraph: no raise at trace time)."""
+    compiled = torch.compile(lambda x, i: op(x, i) + 1, backend="eager", fullgraph=True)
+    with opcontracts.mode("strict"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = compiled(X, I32)
+    assert torch.equal(out, X + 1)
+    assert any(w.category is ContractConditionalWarning for w in caught)
+    with opcontracts.mode("strict"), pytest.raises(Exception, match="rejected on each of the 2 readings|expected int64"):
+        torch.compile(lambda x, i: op(x, i) + 1, backend="eager", fullgraph=True)(X, I16)
