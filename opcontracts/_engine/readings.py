@@ -77,11 +77,13 @@ class Resolution:
     """the fields whose being unknown splits the readings (``("cann",)``)"""
     _compiled: dict[Any, list[CompiledContract]] = field(default_factory=dict, repr=False)
 
-    @property
-    def split(self) -> bool:
-        """Whether a call's verdict can differ between readings."""
+    split: bool = field(init=False)
+    """whether a call's verdict can differ between readings (decided once: the slow path of
+    every violating call asks)"""
+
+    def __post_init__(self) -> None:
         first = self.readings[0].contract if self.readings else None
-        return any(r.contract != first for r in self.readings[1:])
+        self.split = any(r.contract != first for r in self.readings[1:])
 
     def stack_label(self, index: int) -> str:
         if self.targets and index < len(self.targets):
