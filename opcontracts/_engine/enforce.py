@@ -29,11 +29,19 @@ from typing import Any
 import torch
 
 from .._lang import modes as _modes
-from . import memo
+from .._lang import targets
+from . import conditional, memo
 from . import registry as _registry
 from .callsite import find_call_site
 from .compile import BY_TOKEN, CompiledContract, Param, compile_contract
-from .violations import _Bound, _pins_strides, _values_switch, _violated, violation_from_raw
+from .violations import (
+    _actual,
+    _Bound,
+    _pins_strides,
+    _values_switch,
+    _violated,
+    violation_from_raw,
+)
 
 __all__ = ["make_guard", "params_of", "violation_from_raw", "check_call", "compiled_for"]
 
@@ -123,6 +131,8 @@ def make_guard(fn: Callable[..., Any], cc: CompiledContract | None = None, *,
     if cc is None and factory is None:
         raise TypeError("make_guard needs a compiled contract or a factory")
     _modes.check_setting()  # a bad OPCONTRACTS_MODE stops the start-up, not a call
+    if factory is not None:
+        targets.check()  # so do bad targets (OPCONTRACTS_TARGETS, pyproject.toml)
     if op is None:
         assert cc is not None
         op = cc.contract.op
@@ -355,7 +365,15 @@ def check_call(cc: CompiledContract, args: tuple[Any, ...], kwargs: dict[str, An
                         f"({', '.join(p.name for p in cc.params)}): {exc}") from None
     if raw is None:
         return
+    reading = None
+    verdict = conditional.judge(cc, args, kwargs)  # the op's readings disagree: as a guard does
+    if verdict is not None:
+        if verdict.decided is None:
+            if verdict.conditional:
+                conditional.warn_conditional(verdict, cc, _actual, sys._getframe(1), args, kwargs)
+            return
+        reading = conditional.reading_note(verdict)
     site = find_call_site(sys._getframe(1))
-    raise violation_from_raw(raw, site, _Bound(cc, args, kwargs).get(raw.rule.partner))
+    raise violation_from_raw(raw, site, _Bound(cc, args, kwargs).get(raw.rule.partner), reading)
 
 
