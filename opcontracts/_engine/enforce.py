@@ -29,13 +29,15 @@ from typing import Any
 import torch
 
 from .._lang import modes as _modes
+from ..errors import ContractViolation
 from . import memo
 from . import registry as _registry
 from .callsite import find_call_site
 from .compile import BY_TOKEN, CompiledContract, Param, compile_contract
 from .violations import _Bound, _pins_strides, _values_switch, _violated, violation_from_raw
 
-__all__ = ["make_guard", "params_of", "violation_from_raw", "check_call", "compiled_for"]
+__all__ = ["make_guard", "params_of", "violation_from_raw", "check_call", "explain_call",
+           "compiled_for"]
 
 
 
@@ -348,14 +350,25 @@ def compiled_for(contract: Any, params: Sequence[Param] | None = None) -> Compil
 def check_call(cc: CompiledContract, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Raise ``ContractViolation`` if the call does not conform (mode is ignored)."""
     __tracebackhide__ = True
+    exc = explain_call(cc, args, kwargs, sys._getframe(1))
+    if exc is not None:
+        raise exc
+
+
+def explain_call(cc: CompiledContract, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 frame: Any = None) -> ContractViolation | None:
+    """The ``ContractViolation`` of the first rule the call breaks (its call site found from
+    ``frame`` outwards, when given), or None: what ``check_call`` raises, for callers that
+    collect verdicts (``check-dump`` judges recorded calls with it).  ``TypeError`` when the
+    arguments do not bind to the checker's parameters."""
     try:
         raw = cc.check(*args, **kwargs)
     except TypeError as exc:
         raise TypeError(f"{cc.contract.op}: arguments do not match its parameters "
                         f"({', '.join(p.name for p in cc.params)}): {exc}") from None
     if raw is None:
-        return
-    site = find_call_site(sys._getframe(1))
-    raise violation_from_raw(raw, site, _Bound(cc, args, kwargs).get(raw.rule.partner))
+        return None
+    site = find_call_site(frame) if frame is not None else None
+    return violation_from_raw(raw, site, _Bound(cc, args, kwargs).get(raw.rule.partner))
 
 

@@ -1,0 +1,322 @@
+"""``opcontracts check-dump`` and ``record --from-dump`` on real msprobe dumps.
+
+The dumps under tests/data/msprobe/ were written by mindstudio-probe 26.2.0 itself
+(``tests/data/msprobe/make_dumps.py``: a tiny MoE layer on two ranks over the CPU emulation);
+they need no msprobe here.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from opcontracts import cli
+from opcontracts._tools import msprobe_dump
+
+DATA = Path(__file__).parent / "data" / "msprobe"
+WRONG = DATA / "stats_wrong"
+CLEAN = DATA / "stats_clean"
+TENSOR = DATA / "tensor_wrong"
+NPU = DATA / "stats_npu"
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, str, str]:
+    code = cli.main(["check-dump", *map(str, argv)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def as_json(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, dict[str, Any]]:
+    code, out, err = run(capsys, *argv, "--json", "-")
+    assert err == ""
+    return code, json.loads(out)
+
+
+def _probs(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [f for f in findings if f["argument"] == "probs"]
+
+
+# ----------------------------------------------------------------- the wrong call, two ranks
+def test_two_rank_statistics_dump_names_argument_step_and_ranks(capsys: Any) -> None:
+    code, out, _ = run(capsys, WRONG)
+    assert code == 1
+    rows = [ln for ln in out.splitlines() if "MindSpeed.npu_moe_token_unpermute.0.forward" in ln
+            and ln.startswith(("0 ", "1 "))]
+    assert len(rows) == 2, out  # one per step, the ranks merged
+    for step, row in zip("01", rows):
+        cells = row.split()
+        assert cells[:6] == [step, "mindspeed.npu_moe_token_unpermute", "probs", "dtype",
+                             "bfloat16", "dtype"]
+        assert "float32" in row and " 0,1 " in row
+    assert "fix:       probs = probs.to(torch.bfloat16)" in out
+    assert "make_dumps.py:86 in forward" in out  # the user's frame from stack.json
+
+
+def test_json_findings(capsys: Any) -> None:
+    code, data = as_json(capsys, WRONG)
+    assert code == 1
+    assert set(data) >= {"findings", "checked", "skipped_ops"}
+    assert data["checked"] == 12  # 3 ops x 2 steps x 2 ranks
+    found = data["findings"]
+    assert [(f["op"], f["argument"], f["rule"], f["expected"], f["step"], f["rank"],
+             f["api"], f["verdict"]) for f in found] == [
+        ("mindspeed.npu_moe_token_unpermute", "probs", "dtype", "bfloat16", step, [0, 1],
+         "MindSpeed.npu_moe_token_unpermute.0.forward", "violation") for step in (0, 1)]
+    assert found[0]["got"] == "dtype float32 (shape (4, 2))"
+    assert "Tensor.__mul__" in data["skipped_ops"] and "Functional.linear" in data["skipped_ops"]
+    assert not any(s.startswith(("NPU.", "MindSpeed.")) for s in data["skipped_ops"])
+
+
+def test_json_to_a_file_keeps_the_table(capsys: Any, tmp_path: Path) -> None:
+    target = tmp_path / "out" / "findings.json"
+    code, out, _ = run(capsys, WRONG, "--json", target)
+    assert code == 1 and "1 contract violation" not in out and "2 contract violation(s)" in out
+    assert json.loads(target.read_text())["checked"] == 12
+
+
+def test_clean_dump_exits_0(capsys: Any) -> None:
+    code, out, _ = run(capsys, CLEAN)
+    assert code == 0
+    assert "no contract violations." in out
+    assert "checked 6 call(s) of 3 op(s)" in out
+    code, data = as_json(capsys, CLEAN)
+    assert data["findings"] == [] and data["checked"] == 6
+
+
+def test_tensor_mode_dump(capsys: Any) -> None:
+    code, data = as_json(capsys, TENSOR)
+    assert code == 1
+    assert [(f["argument"], f["step"], f["rank"]) for f in data["findings"]] == [
+        ("probs", 0, [0, 1])]
+
+
+def test_one_rank_folder_and_one_dump_json(capsys: Any) -> None:
+    code, data = as_json(capsys, WRONG / "step1" / "rank1")
+    assert code == 1
+    assert [(f["step"], f["rank"]) for f in data["findings"]] == [(1, [1])]
+    assert data["checked"] == 3
+    code, data = as_json(capsys, WRONG / "step0" / "rank0" / "dump.json")
+    assert code == 1
+    assert [(f["step"], f["rank"]) for f in data["findings"]] == [(0, [0])]
+
+
+def test_one_step_folder(capsys: Any) -> None:
+    code, data = as_json(capsys, WRONG / "step1")
+    assert code == 1 and [f["step"] for f in data["findings"]] == [1]
+
+
+def test_a_rank_that_alone_saw_it(capsys: Any, tmp_path: Path) -> None:
+    """Merged as ``report merge`` merges: the ranks that saw each violation."""
+    dump = tmp_path / "dump"
+    shutil.copytree(WRONG / "step0" / "rank0", dump / "step0" / "rank0")
+    shutil.copytree(CLEAN / "step0" / "rank1", dump / "step0" / "rank1")
+    code, out, _ = run(capsys, dump)
+    assert code == 1
+    assert "ranks 0,1" not in out and "rank 0 only (not rank 1)" in out
+
+
+# ----------------------------------------------------------------- versions
+def test_version_dependent_rule_is_conditional(capsys: Any) -> None:
+    """torch_npu's unpermute takes fp32 probs on CANN >= 8.0.0 with the 2.13 docs, bf16 only
+    before: with the versions unknown, fp32 probs is a conditional verdict, not a violation."""
+    code, data = as_json(capsys, NPU)
+    assert code == 0
+    (f,) = _probs(data["findings"])
+    assert f["verdict"] == "conditional" and f["op"] == "npu_moe_token_unpermute"
+    assert any("cann" in d for d in f["depends_on"])
+    code, out, _ = run(capsys, NPU)
+    assert "no contract violations." in out and "1 conditional" in out
+
+
+def test_flags_decide_the_versions(capsys: Any) -> None:
+    code, data = as_json(capsys, NPU, "--torch-npu", "2.13.0", "--cann", "8.0.RC3")
+    assert code == 1
+    (f,) = _probs(data["findings"])
+    assert f["verdict"] == "violation" and f["expected"] == "bfloat16"
+    code, data = as_json(capsys, NPU, "--torch-npu", "2.13.0", "--cann", "8.5.0")
+    assert code == 0 and data["findings"] == []
+    assert data["versions"]["cann"] == "8.5.0"
+
+
+def test_flags_win_over_environment(capsys: Any, monkeypatch: Any) -> None:
+    from opcontracts._lang import versions
+
+    monkeypatch.setenv("OPCONTRACTS_CANN_VERSION", "8.0.RC3")
+    monkeypatch.setenv("OPCONTRACTS_TORCH_NPU_VERSION", "2.13.0")
+    versions.refresh()
+    try:
+        assert as_json(capsys, NPU)[0] == 1
+        assert as_json(capsys, NPU, "--cann", "8.5.0")[0] == 0
+    finally:
+        monkeypatch.undo()
+        versions.refresh()
+
+
+# ----------------------------------------------------------------- binding and naming
+def _edit(src: Path, dest: Path, api: str, change: Any) -> Path:
+    shutil.copytree(src, dest)
+    p = dest / "dump.json"
+    data = json.loads(p.read_text())
+    change(data["data"][api])
+    p.write_text(json.dumps(data))
+    return dest
+
+
+def test_positional_inputs_bind_by_the_schema(capsys: Any, tmp_path: Path) -> None:
+    """npu_rms_norm(self, gamma, epsilon=...): a gamma (the second positional input) in
+    another dtype than self breaks gamma's same-dtype rule."""
+    def fp32_gamma(entry: dict[str, Any]) -> None:
+        entry["input_args"][1]["dtype"] = "torch.float32"
+
+    rank = _edit(CLEAN / "step0" / "rank0", tmp_path / "rank0", "NPU.npu_rms_norm.0.forward",
+                 fp32_gamma)
+    code, data = as_json(capsys, rank)
+    assert code == 1
+    (f,) = data["findings"]
+    assert (f["op"], f["argument"], f["rule"]) == ("npu_rms_norm", "gamma", "same_dtype")
+    assert f["expected"].startswith("the dtype of self (bfloat16)")
+
+
+def test_keyword_inputs_bind_by_name(capsys: Any, tmp_path: Path) -> None:
+    def gamma_as_keyword(entry: dict[str, Any]) -> None:
+        gamma = entry["input_args"].pop(1)
+        gamma["shape"] = [7]
+        entry["input_kwargs"]["gamma"] = gamma
+
+    rank = _edit(CLEAN / "step0" / "rank0", tmp_path / "rank0", "NPU.npu_rms_norm.0.forward",
+                 gamma_as_keyword)
+    code, data = as_json(capsys, rank)
+    assert code == 1
+    (f,) = data["findings"]
+    assert (f["argument"], f["rule"]) == ("gamma", "shape")
+
+
+def test_dump_with_no_op_that_has_a_contract_says_nothing_was_checked(capsys: Any,
+                                                                      tmp_path: Path) -> None:
+    rank = tmp_path / "rank0"
+    rank.mkdir()
+    data = json.loads((CLEAN / "step0" / "rank0" / "dump.json").read_text())
+    data["data"] = {k: v for k, v in data["data"].items() if k.startswith(("Torch", "Tensor"))}
+    (rank / "dump.json").write_text(json.dumps(data))
+    code, out, _ = run(capsys, rank)
+    assert code == 0
+    assert "nothing was checked" in out and "no contract violations" not in out
+
+
+def test_custom_api_with_a_user_contract(capsys: Any, tmp_path: Path, monkeypatch: Any) -> None:
+    """``register_custom_api(mypkg.ops, "fused_scale")``: msprobe names it with the module as
+    prefix; a user's contract guarding ``mypkg.ops.fused_scale`` judges it."""
+    contract = tmp_path / "mine.toml"
+    contract.write_text('[[contract]]\nop = "fused_scale"\ntargets = ["mypkg.ops.fused_scale"]\n'
+                        'source = "test"\n[contract.args.x]\ndtype = "bf16"\nshape = "N H"\n')
+    monkeypatch.setenv("OPCONTRACTS_CONTRACTS", str(contract))
+    rank = tmp_path / "rank0"
+    rank.mkdir()
+    tensor = {"type": "torch.Tensor", "dtype": "torch.float16", "shape": [4, 8]}
+    (rank / "dump.json").write_text(json.dumps({"task": "statistics", "level": "L1", "data": {
+        "mypkg.ops.fused_scale.0.forward": {"input_args": [tensor], "input_kwargs": {},
+                                            "output": [tensor]}}}))
+    code, data = as_json(capsys, rank)
+    assert code == 1
+    assert [(f["op"], f["argument"], f["api"]) for f in data["findings"]] == [
+        ("fused_scale", "x", "mypkg.ops.fused_scale.0.forward")]
+
+
+def test_api_names() -> None:
+    p = msprobe_dump.parse_api_name
+    assert p("NPU.npu_moe_token_unpermute.0.forward") == ("NPU", "npu_moe_token_unpermute",
+                                                         "forward")
+    assert p("MindSpeed.npu_gmm.3.backward") == ("MindSpeed", "npu_gmm", "backward")
+    assert p("Tensor.__mul__.12.forward") == ("Tensor", "__mul__", "forward")
+    assert p("mypkg.ops.fused.1.forward") == ("mypkg.ops", "fused", "forward")
+    assert p("Module.layers.0.mlp.MoELayer.forward.0")[2] == ""
+
+
+def test_old_stack_json_layout(tmp_path: Path) -> None:
+    """Before msprobe 8, stack.json mapped each API to its frames."""
+    rank = tmp_path / "rank3"
+    shutil.copytree(WRONG / "step0" / "rank0", rank)
+    new = json.loads((rank / "stack.json").read_text())
+    (rank / "stack.json").write_text(json.dumps({api: frames for apis, frames in new.values()
+                                                 for api in apis}))
+    d = msprobe_dump.read_rank_dump(rank / "dump.json")
+    assert d.rank == 3 and d.step is None
+    assert d.frames["MindSpeed.npu_moe_token_unpermute.0.forward"] == \
+        "tests/data/msprobe/make_dumps.py:86 in forward"
+
+
+# ----------------------------------------------------------------- bad input: exit 2, one line
+@pytest.mark.parametrize("make, says", [
+    (lambda p: p / "missing", "no such file or folder"),
+    (lambda p: p, "no msprobe dump here"),
+    (lambda p: _write(p / "dump.json", "{not json"), "not JSON"),
+    (lambda p: _write(p / "dump.json", "[1, 2]"), "not an msprobe dump.json"),
+    (lambda p: _write(p / "dump.json", '{"task": "statistics"}'), "not an msprobe dump.json"),
+    (lambda p: _write(p / "dump.json", '{"data": {"NPU.x.0.forward": 3}}'), "expected an object"),
+    (lambda p: _write(p / "rank0" / "dump.json", b"\xff\xfe\x00"), "not a text file"),
+])
+def test_malformed_input_exits_2_with_one_line(capsys: Any, tmp_path: Path, make: Any,
+                                               says: str) -> None:
+    path = make(tmp_path)
+    code, out, err = run(capsys, path)
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith("opcontracts check-dump: ") and says in err
+    assert "Traceback" not in err
+    assert str(path) in err or str(tmp_path) in err
+
+
+def test_malformed_stack_json_names_it(capsys: Any, tmp_path: Path) -> None:
+    rank = tmp_path / "rank0"
+    shutil.copytree(CLEAN / "step0" / "rank0", rank)
+    (rank / "stack.json").write_text("[]")
+    code, _, err = run(capsys, rank)
+    assert code == 2 and "stack.json" in err and len(err.strip().splitlines()) == 1
+
+
+def _write(path: Path, content: str | bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
+    return path
+
+
+# ----------------------------------------------------------------- record --from-dump
+def test_record_from_a_golden_dump(capsys: Any, tmp_path: Path) -> None:
+    from opcontracts.spec import load_contracts
+
+    out = tmp_path / "golden.toml"
+    assert cli.main(["record", "--from-dump", str(CLEAN), "-o", str(out)]) == 0
+    capsys.readouterr()
+    contracts = {c.op: c for c in load_contracts(out)}
+    assert set(contracts) == {"mindspeed.npu_moe_token_permute",
+                              "mindspeed.npu_moe_token_unpermute", "npu_rms_norm"}
+    unpermute = contracts["mindspeed.npu_moe_token_unpermute"]
+    assert unpermute.args["probs"].dtype == ("bfloat16",)
+    assert unpermute.args["permuted_tokens"].rank == (2,)
+    assert unpermute.targets == ("mindspeed.ops.npu_moe_token_unpermute.npu_moe_token_unpermute",)
+    assert "msprobe dump" in (unpermute.source or "")
+    # the golden file judges the wrong run: fp32 probs drift from it
+    assert cli.main(["check-dump", str(WRONG), "--contracts", str(out), "--json", "-"]) == 1
+
+
+def test_record_leaves_violating_calls_out(capsys: Any, tmp_path: Path) -> None:
+    out = tmp_path / "golden.toml"
+    with pytest.warns(RuntimeWarning, match="probs"):
+        assert cli.main(["record", "--from-dump", str(WRONG), "-o", str(out)]) == 0
+    from opcontracts.spec import load_contracts
+
+    ops = {c.op: c for c in load_contracts(out)}
+    assert "mindspeed.npu_moe_token_unpermute" not in ops  # every call of it broke its contract
+    assert "left out" in out.read_text()
+    with pytest.warns(RuntimeWarning):
+        assert cli.main(["record", "--from-dump", str(WRONG), "-o", str(out),
+                         "--record-violations"]) == 0
+    ops = {c.op: c for c in load_contracts(out)}
+    assert ops["mindspeed.npu_moe_token_unpermute"].args["probs"].dtype == ("float32",)
