@@ -320,3 +320,20 @@ def test_record_leaves_violating_calls_out(capsys: Any, tmp_path: Path) -> None:
                          "--record-violations"]) == 0
     ops = {c.op: c for c in load_contracts(out)}
     assert ops["mindspeed.npu_moe_token_unpermute"].args["probs"].dtype == ("float32",)
+
+
+def test_module_entries_of_a_mix_level_dump_are_skipped_by_kind(capsys: Any,
+                                                                tmp_path: Path) -> None:
+    """Level ``mix`` / ``L0`` adds module entries (``Module.<path>.<Class>.forward.<n>``):
+    counted under their kind, the API entries judged as before."""
+    rank = tmp_path / "rank0"
+    shutil.copytree(WRONG / "step0" / "rank0", rank)
+    data = json.loads((rank / "dump.json").read_text())
+    entry = {"input_args": [], "input_kwargs": {}, "output": []}
+    data["data"] = {"Module.layers.0.mlp.MoE.forward.0": entry,
+                    "Module.layers.1.mlp.MoE.forward.0": entry, **data["data"]}
+    (rank / "dump.json").write_text(json.dumps(data))
+    code, data = as_json(capsys, rank)
+    assert code == 1 and data["checked"] == 3
+    assert "Module" in data["skipped_ops"]
+    assert not any(s.startswith("Module.") for s in data["skipped_ops"])

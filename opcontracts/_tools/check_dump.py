@@ -237,7 +237,9 @@ class Judged(NamedTuple):
 
 
 def judged_calls(dumps: list[md.RankDump], judge: Judge) -> Iterator[Judged]:
-    """Every recorded call with its op and verdicts; value checks are off meanwhile."""
+    """Every recorded call with its op and verdicts.  Value checks are off meanwhile (the
+    engine's one switch, ``set_value_checks``: process-wide, so a job's own guards in other
+    threads would skip theirs too; this is a command-line tool's loop)."""
     from .._lang import values as _values
 
     _registry.load_shipped()
@@ -321,7 +323,8 @@ def check_path(path: str | Path, env: _versions.Env) -> DumpVerdict:
     for j in judged_calls(dumps, Judge(env)):
         if j.verdicts is None:
             if j.op is None:
-                label = f"{j.call.prefix}.{j.call.api}"
+                # an API as msprobe names it without its count; module entries by their kind
+                label = f"{j.call.prefix}.{j.call.api}" if j.call.direction else j.call.prefix
                 out.skipped[label] = out.skipped.get(label, 0) + 1
             elif j.why is None:
                 out.backward += 1
