@@ -337,3 +337,12 @@ def test_module_entries_of_a_mix_level_dump_are_skipped_by_kind(capsys: Any,
     assert code == 1 and data["checked"] == 3
     assert "Module" in data["skipped_ops"]
     assert not any(s.startswith("Module.") for s in data["skipped_ops"])
+
+
+@pytest.mark.parametrize("flag, value", [("--cann", "banana"), ("--torch-npu", "two"),
+                                         ("--soc", " ")])
+def test_a_version_flag_that_is_not_one_is_a_usage_error(capsys: Any, flag: str,
+                                                         value: str) -> None:
+    code, out, err = run(capsys, CLEAN, flag, value)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert err.startswith(f"opcontracts check-dump: {flag}")

@@ -29,7 +29,7 @@ from .._engine import registry as _registry
 from .._engine.records import aligned
 from .._lang import versions as _versions
 from .._ranks.gather import _ranks_text
-from ..errors import ContractViolation, format_violation
+from ..errors import ContractViolation, OpContractsError, format_violation
 from . import msprobe_dump as md
 
 __all__ = ["Finding", "DumpVerdict", "Judge", "judged_calls", "check_path", "render",
@@ -47,9 +47,18 @@ def environment(*, torch_npu: str | None = None, cann: str | None = None,
     values: dict[str, Any] = {n: getattr(base, n) for n in _versions.FIELDS}
     origins = dict(base.origins)
     for name, flag in (("torch_npu", torch_npu), ("cann", cann), ("soc", soc)):
-        if flag is not None:
-            values[name] = None if flag.strip().lower() == _versions.UNKNOWN else flag.strip()
-            origins[name] = f"--{name.replace('_', '-')}"
+        if flag is None:
+            continue
+        text, option = flag.strip(), f"--{name.replace('_', '-')}"
+        unknown = text.lower() == _versions.UNKNOWN
+        if not text:
+            raise OpContractsError(f"{option}: empty (give a value, or 'unknown')")
+        if name != "soc" and not unknown and _versions.normalize_version(text) is None:
+            example = "2.13.0" if name == "torch_npu" else "8.0.RC3"
+            raise OpContractsError(f"{option} {flag!r}: not a version (try {example!r} or "
+                                   "'unknown')")
+        values[name] = None if unknown else text
+        origins[name] = option
     return _versions.Env(**values, origins=tuple(origins.items()), emulated=base.emulated)
 
 
