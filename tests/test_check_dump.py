@@ -346,3 +346,17 @@ def test_a_version_flag_that_is_not_one_is_a_usage_error(capsys: Any, flag: str,
     code, out, err = run(capsys, CLEAN, flag, value)
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
     assert err.startswith(f"opcontracts check-dump: {flag}")
+
+
+def test_entries_without_inputs_are_not_judged(capsys: Any, tmp_path: Path) -> None:
+    """msprobe's ``data_mode = ["output"]`` records outputs only: no input is no violation."""
+    rank = tmp_path / "rank0"
+    shutil.copytree(WRONG / "step0" / "rank0", rank)
+    data = json.loads((rank / "dump.json").read_text())
+    for entry in data["data"].values():
+        entry.pop("input_args", None)
+        entry.pop("input_kwargs", None)
+    (rank / "dump.json").write_text(json.dumps(data))
+    code, out, _ = run(capsys, rank)
+    assert code == 0 and "nothing was checked" in out
+    assert "not judged: 3 call(s)" in out and "inputs not recorded" in out

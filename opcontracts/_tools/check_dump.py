@@ -261,6 +261,9 @@ def judged_calls(dumps: list[md.RankDump], judge: Judge) -> Iterator[Judged]:
                 if op is None or call.direction != "forward":
                     yield Judged(d, call, op, None)
                     continue
+                if not call.inputs:
+                    yield Judged(d, call, op, None, "inputs not recorded (msprobe's data_mode)")
+                    continue
                 try:
                     yield Judged(d, call, op, judge.judge(op, call))
                 except (Unjudged, TypeError) as exc:
@@ -390,8 +393,10 @@ def render(r: DumpVerdict) -> str:
                   f"({', '.join(other)})" if other else ""))
     lines = [head]
     if not r.checked:
-        lines.append("nothing was checked: no recorded forward call is of an op with a contract;"
-                     f" skipped {skipped}")
+        why = (f"none of the {len(r.unjudged)} forward call(s) of ops with a contract could be"
+               " judged" if r.unjudged else "no recorded forward call is of an op with a "
+               "contract")
+        lines.append(f"nothing was checked: {why}; skipped {skipped}")
     else:
         ops = ", ".join(f"{op} x{c}" for op, c in sorted(r.ops.items()))
         lines.append(f"checked {r.checked} call(s) of {len(r.ops)} op(s) with a contract: {ops}")

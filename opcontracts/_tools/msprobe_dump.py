@@ -91,6 +91,9 @@ class ApiCall:
     """``forward`` or ``backward`` (``""`` for entries of another form)"""
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
+    inputs: bool = True
+    """whether msprobe recorded the inputs (``data_mode`` without ``input`` leaves them out:
+    such an entry holds outputs only and cannot be judged)"""
 
 
 @dataclass
@@ -162,7 +165,9 @@ def _calls(path: Path, data: dict[str, Any]) -> list[ApiCall]:
         if not isinstance(entry, dict):
             raise DumpError(path, f"data[{name!r}]: expected an object, got {type(entry).__name__}")
         prefix, api, direction = parse_api_name(str(name))
-        if direction == "forward":
+        if direction == "forward" and "input_args" not in entry and "input_kwargs" not in entry:
+            out.append(ApiCall(name, prefix, api, direction, inputs=False))
+        elif direction == "forward":
             args = entry.get("input_args", [])
             kwargs = entry.get("input_kwargs", {})
             if not isinstance(args, list) or not isinstance(kwargs, dict):
