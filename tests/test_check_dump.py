@@ -359,4 +359,4 @@ def test_entries_without_inputs_are_not_judged(capsys: Any, tmp_path: Path) -> N
     (rank / "dump.json").write_text(json.dumps(data))
     code, out, _ = run(capsys, rank)
     assert code == 0 and "nothing was checked" in out
-    assert "not judged: 3 call(s)" in out and "inputs not recorded" in out
+    assert "not judged: 3 API(s)" in out and "inputs not recorded" in out

@@ -393,8 +393,7 @@ def render(r: DumpVerdict) -> str:
                   f"({', '.join(other)})" if other else ""))
     lines = [head]
     if not r.checked:
-        why = (f"none of the {len(r.unjudged)} forward call(s) of ops with a contract could be"
-               " judged" if r.unjudged else "no recorded forward call is of an op with a "
+        why = ("no forward call of an op with a contract could be judged" if r.unjudged else "no recorded forward call is of an op with a "
                "contract")
         lines.append(f"nothing was checked: {why}; skipped {skipped}")
     else:
@@ -403,7 +402,7 @@ def render(r: DumpVerdict) -> str:
         lines.append(f"  skipped {skipped}; {r.backward} backward entr"
                      f"{'y' if r.backward == 1 else 'ies'} of those ops (gradients: not judged)")
     if r.unjudged:
-        lines.append(f"  not judged: {len(r.unjudged)} call(s): " + "; ".join(
+        lines.append(f"  not judged: {len(r.unjudged)} API(s): " + "; ".join(
             f"{k} ({why})" for k, why in list(r.unjudged.items())[:5]))
     lines.append("  versions: " + ", ".join(
         f"{n} {getattr(r.env, n) or 'unknown'}" + (f" ({r.env.origin(n)})" if getattr(r.env, n)
