@@ -140,7 +140,15 @@ class Judge:
             if not items:
                 return None
             c = items[0] if len(items) == 1 else _registry.merge_contracts(items)
-            return compiled_for(c, self._params(c, call))
+            params = self._params(c, call)
+            try:
+                return compiled_for(c, params)
+            except OpContractsError:
+                if params is None:
+                    raise
+                # the contract names an argument the digest's schema lacks (another release):
+                # its own signature binds as well as a guard on a generic wrapper does
+                return compiled_for(c, None)
 
         got = _Checkers(compiled(sure), compiled(sure + maybe), tuple(maybe),
                         {id(m): compiled(sure + [m]) for m in maybe} if sure or len(maybe) > 1
