@@ -12,6 +12,7 @@ from ._engine.records import Report, ReportFileError, reset_report
 from ._lang.modes import get_mode, mode, set_mode
 from ._version import __version__
 from .errors import (
+    ContractConditionalWarning,
     ContractFileError,
     ContractFixWarning,
     ContractViolation,
@@ -23,6 +24,7 @@ from .errors import (
 if TYPE_CHECKING:
     from ._attach.use import use
     from ._engine.registry import UnknownOpError, get_contract, register
+    from ._lang.targets import set_targets
     from ._lang.values import set_value_checks, value_checks_enabled
     from ._lang.versions import set_versions
     from .decorator import check, enforce
@@ -34,7 +36,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "UnknownOpError": "_engine.registry", "get_contract": "_engine.registry", "register": "_engine.registry",
     "set_value_checks": "_lang.values", "value_checks_enabled": "_lang.values",
-    "set_versions": "_lang.versions",
+    "set_versions": "_lang.versions", "set_targets": "_lang.targets",
     "check": "decorator", "enforce": "decorator",
     "Arg": "spec", "Contract": "spec", "ValueRule": "spec", "When": "spec",
     "load_contracts": "spec", "use": "_attach.use",
@@ -85,6 +87,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "Arg",
     "Contract",
+    "ContractConditionalWarning",
     "ContractFileError",
     "ContractFixWarning",
     "ContractViolation",
@@ -107,6 +110,7 @@ __all__ = [
     "report",
     "reset_report",
     "set_mode",
+    "set_targets",
     "set_value_checks",
     "set_versions",
     "use",

@@ -67,6 +67,8 @@ def _rules(arg: Arg) -> str:
         from ._lang.values import describe
 
         parts.append("values: " + describe(arg.values))
+    if arg.layer is not None:
+        parts.append(f"layer {arg.layer}")
     return ", ".join(parts) or "-"
 
 
@@ -110,11 +112,13 @@ def _print_contract(c: Contract, status: str, indent: str = "  ") -> None:
     targets = [t + (f" ({why})" if (why := _target_status(t)) else "") for t in c.targets]
     print(f"{indent}  targets: {', '.join(targets) or '-'}")
     print(f"{indent}  source:  {c.source or '-'}")
+    if c.layer is not None:
+        print(f"{indent}  layer:   {c.layer}")
     width = max((len(n) for n in c.args), default=0)
     for name, a in c.args.items():
         print(f"{indent}  {name:<{width}}  {_rules(a)}")
     for case in c.cases:
-        print(f"{indent}  when {case.condition_text}:")
+        print(f"{indent}  when {case.condition_text}:" + (f" (layer {case.layer})" if case.layer else ""))
         for name, a in case.args.items():
             print(f"{indent}    {name:<{width}}  {_rules(a)}")
 
@@ -215,9 +219,15 @@ def _cmd_list(ns: argparse.Namespace) -> int:
               "loaded; `opcontracts list` shows them all)", file=sys.stderr)
         return 1
     print(f"environment: {_env_line(env)}")
+    from ._lang import targets as _targets
+
+    targets, origin = _targets.declared()
+    for t in targets:
+        print(f"  judged on {t.label}, from {origin}")
     if any(ok is None for v in verdicts_by_op.values() for _, ok in v):
-        print("  a version some contracts need is unknown: those contracts may apply and are "
-              "merged into the strictest reading (see `opcontracts env`)")
+        print("  a version some contracts need is unknown: those contracts may apply; the guard "
+              "enforces their strictest merge, and a call only some readings reject is warned "
+              "about, not raised (see docs/targets.md)")
     print()
     shown = hidden = 0
     for op, verdicts in verdicts_by_op.items():
@@ -241,6 +251,11 @@ def _cmd_list(ns: argparse.Namespace) -> int:
                 width = max((len(n) for n in merged.args), default=0)
                 for name, a in merged.args.items():
                     print(f"       {name:<{width}}  {_rules(a)}")
+        res = registry.resolution(op)
+        if res is not None and res.split:
+            print(f"  => readings ({', '.join(res.unknown) or 'targets'}): "
+                  + " | ".join(dict.fromkeys(r.label or res.stack_label(r.stack) for r in res.readings))
+                  + ": a call only some reject is conditional (warned, not raised)")
         print()
     matched = f" matching {ns.pattern!r}" if ns.pattern else ""
     tail = f"{shown} contract(s) shown for {len(by_op)} op(s){matched}, {len(contracts)} loaded"
@@ -274,7 +289,7 @@ def _list_json(ns: argparse.Namespace, env: Env,
                 "applies": ok, "status": _STATUS[ok],
                 "why": _versions.explain(c.when, env) if c.when is not None else None,
                 "when": c.when.model_dump(mode="json", exclude_none=True) if c.when else None,
-                "file": c.file, "source": c.source,
+                "file": c.file, "source": c.source, "layer": c.layer,
                 "targets": [{"target": t, "unavailable": _target_status(t)} for t in c.targets],
                 "args": {name: _arg_json(a) for name, a in c.args.items()},
                 "cases": [{"if": case.condition_text, "source": case.source,
@@ -325,7 +340,19 @@ def _env_json(env: Env) -> dict[str, Any]:
               "file" if os.path.isfile(p) else "not found"} for p in _contract_paths()]
     settings = {k: v for k, v in sorted(os.environ.items()) if k.startswith("OPCONTRACTS_")}
     return {"opcontracts": __version__, "versions": versions, "mode": _mode_info(),
-            "contract_paths": paths, "settings": settings}
+            "targets": _targets_info(), "contract_paths": paths, "settings": settings}
+
+
+def _targets_info() -> dict[str, Any]:
+    """The declared targets and where they come from; a bad setting is shown as ``error``."""
+    from ._lang import targets as _targets
+
+    try:
+        targets, origin = _targets.declared()
+    except Exception as exc:  # noqa: BLE001 - env is where a bad setting must be visible
+        return {"targets": [], "origin": None, "error": str(exc)}
+    return {"targets": [dict(t.as_dict(), label=t.label) for t in targets],
+            "origin": origin or None, "error": None}
 
 
 def _cmd_env(ns: argparse.Namespace) -> int:
@@ -336,7 +363,7 @@ def _cmd_env(ns: argparse.Namespace) -> int:
 
     data = _env_json(_versions.current())
     mode = data["mode"]
-    status = 2 if mode["error"] else 0
+    status = 2 if mode["error"] or data["targets"]["error"] else 0
     if ns.json:
         print(json.dumps(data, indent=2))
         return status
@@ -349,6 +376,14 @@ def _cmd_env(ns: argparse.Namespace) -> int:
         if mode["by_op"]:
             origin += "; per op: " + ", ".join(f"{k}={v}" for k, v in mode["by_op"].items())
         rows.append(("mode", mode["mode"], origin))
+    tg = data["targets"]
+    if tg["error"]:
+        rows.append(("targets", "invalid", tg["error"]))
+    elif not tg["targets"]:
+        rows.append(("targets", "-", "none declared (set_targets(), $OPCONTRACTS_TARGETS, "
+                     "[tool.opcontracts] targets in pyproject.toml): judged on this environment"))
+    for t in tg["targets"]:
+        rows.append(("target", t["label"], tg["origin"]))
     for p in data["contract_paths"]:
         rows.append(("contracts", p["path"], f"$OPCONTRACTS_CONTRACTS ({p['kind']})"))
     if not data["contract_paths"]:
@@ -360,6 +395,8 @@ def _cmd_env(ns: argparse.Namespace) -> int:
     print()
     print("Overrides: OPCONTRACTS_TORCH_NPU_VERSION, OPCONTRACTS_CANN_VERSION, "
           "OPCONTRACTS_MINDSPEED_VERSION, OPCONTRACTS_SOC, or opcontracts.set_versions(...).")
+    print("Targets (the stacks calls are judged against): OPCONTRACTS_TARGETS, [tool.opcontracts] "
+          "targets in pyproject.toml, or opcontracts.set_targets(...); see docs/targets.md.")
     return status
 
 

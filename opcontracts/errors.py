@@ -16,6 +16,7 @@ __all__ = [
     "ContractViolation",
     "ContractWarning",
     "ContractFixWarning",
+    "ContractConditionalWarning",
     "format_violation",
 ]
 
@@ -117,10 +118,28 @@ def got_text(actual: str) -> str:
     return actual
 
 
+_LAYER_SAYS = {
+    "torch_npu": "torch_npu's own check decides: the rule follows the torch_npu release",
+    "cann": "op-plugin passes the call to aclnn: the CANN kernel decides",
+    "mindspeed": "MindSpeed's own check decides",
+    "meta": "the op's meta kernel decides",
+}
+
+
+def source_text(source: str | None, layer: str | None) -> str:
+    """A rule's source as a message's ``source:`` line shows it: with the layer that decides
+    (``... (layer cann: op-plugin passes the call to aclnn: the CANN kernel decides)``)."""
+    text = source or "-"
+    if layer:
+        text += f" (layer {layer}: {_LAYER_SAYS.get(layer, layer)})"
+    return text
+
+
 def format_violation(
     *, op: str, arg: str | None, rule: str, expected: str, actual: str,
     bindings: Mapping[str, int], call_site: str | None, source: str | None, fix: str | None,
-    mode: str | None = None, rank: int | None = None,
+    mode: str | None = None, rank: int | None = None, layer: str | None = None,
+    reading: str | None = None,
 ) -> str:
     head = f"{op}: argument '{arg}' {actual}, expected {expected}" if arg else \
         f"{op}: {actual}, expected {expected}"
@@ -132,8 +151,10 @@ def format_violation(
         lines.append("  bindings:  " + ", ".join(f"{k}={v}" for k, v in bindings.items()))
     if call_site:
         lines.append(f"  call site: {call_site}")
-    if source:
-        lines.append(f"  source:    {source}")
+    if source or layer:
+        lines.append(f"  source:    {source_text(source, layer)}")
+    if reading:
+        lines.append(f"  readings:  {reading}")
     if fix:
         lines.append(f"  fix:       {fix}")
     if mode:
@@ -151,7 +172,7 @@ class ContractViolation(OpContractsError, TypeError):
         self, *, op: str, arg: str | None, rule: str, expected: str, actual: str,
         bindings: Mapping[str, int] | None = None, call_site: str | None = None,
         source: str | None = None, fix: str | None = None, others: tuple[Any, ...] = (),
-        rank: int | None = None,
+        rank: int | None = None, layer: str | None = None, reading: str | None = None,
     ) -> None:
         self.op = op
         self.arg = arg
@@ -164,6 +185,11 @@ class ContractViolation(OpContractsError, TypeError):
         self.fix = fix
         self.others = others
         self.rank = rank
+        self.layer = layer
+        """the layer whose check decides the broken rule (``spec.LAYERS``), or None"""
+        self.reading = reading
+        """which of the possible readings of the op's contracts decided, when versions are
+        unknown or several targets are declared (None: one reading)"""
         super().__init__(self._message())
 
     @property
@@ -175,7 +201,8 @@ class ContractViolation(OpContractsError, TypeError):
         return format_violation(
             op=self.op, arg=self.arg, rule=self.rule, expected=self.expected,
             actual=self.actual, bindings=self.bindings, call_site=self.call_site,
-            source=self.source, fix=self.fix, rank=self.rank,
+            source=self.source, fix=self.fix, rank=self.rank, layer=self.layer,
+            reading=self.reading,
         )
 
     def __reduce__(self) -> Any:  # keep picklable across processes (torch.distributed, pytest-xdist)
@@ -197,3 +224,10 @@ class ContractWarning(UserWarning):
 
 class ContractFixWarning(ContractWarning):
     """``fix`` mode repaired an argument (cast it); shown once per call site and rule."""
+
+
+class ContractConditionalWarning(ContractWarning):
+    """A call that some of the stacks still possible reject and others accept (a version or
+    the chip is unknown, no target declared): not a violation, so strict mode warns instead of
+    raising and fix mode does not cast.  Declaring the target (``opcontracts.set_targets``,
+    ``OPCONTRACTS_TARGETS``, ``[tool.opcontracts] targets``) decides it."""

@@ -51,11 +51,24 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 __all__ = ["Arg", "Case", "Contract", "When", "ValueRule", "DimBound", "load_contracts",
-           "contracts_from_toml", "contract_files", "RESERVED_PREFIX"]
+           "contracts_from_toml", "contract_files", "RESERVED_PREFIX", "LAYERS", "Layer"]
 
 _Bound = int | str  # an integer or a shape expression over bound names ("N*K", "E")
 _Size = Annotated[StrictInt, Field(ge=0)]
 _Positive = Annotated[StrictInt, Field(ge=1)]
+
+Layer = Literal["torch_npu", "cann", "mindspeed", "meta"]
+"""The layer whose check decides a rule, so a tool knows which version the rule follows:
+
+``torch_npu``  torch_npu's own glue (a ``TORCH_CHECK`` in op-plugin's C++ before the kernel):
+               the rule follows the torch_npu release
+``cann``       op-plugin passes the call straight to aclnn (``EXEC_NPU_CMD`` with no check of
+               its own): the CANN kernel decides, the rule follows the CANN release
+``mindspeed``  MindSpeed's own C++ or Python checks (its ops and autograd wrappers)
+``meta``       the op's meta (fake) kernel: shape inference rejects the call under
+               ``torch.compile`` and on meta tensors, whatever the device would do
+"""
+LAYERS: tuple[str, ...] = ("torch_npu", "cann", "mindspeed", "meta")
 
 RESERVED_PREFIX = "_oc_"
 """names of the generated checkers' own locals start with this: no argument may"""
@@ -225,6 +238,9 @@ class Arg(_Frozen):
     """a list or tuple of ints is accepted too, checked as a 1-D int64 tensor (MindSpeed's gmm
     takes ``group_list`` either way)"""
     source: str | None = None
+    layer: Layer | None = None
+    """the layer whose check decides this argument's rules, when it is not the contract's
+    (``LAYERS``: ``torch_npu``, ``cann``, ``mindspeed``, ``meta``)"""
     hint: str | None = None
     """a suggested fix that replaces the generated one"""
     doc: str | None = None
@@ -415,6 +431,8 @@ class Case(_Frozen):
     if_: dict[str, Any] = Field(alias="if")
     args: dict[str, Arg]
     source: str | None = None
+    layer: Layer | None = None
+    """the layer whose check decides the case's rules, when it is not the contract's"""
     doc: str | None = None
 
     @field_validator("if_", mode="before")
@@ -453,6 +471,11 @@ class Contract(_Frozen):
     args: dict[str, Arg]
     targets: tuple[str, ...] = ()
     source: str | None = None
+    layer: Layer | None = None
+    """the layer whose check decides the rules (``LAYERS``): ``cann`` when op-plugin passes the
+    call straight to aclnn, ``torch_npu`` for op-plugin's own ``TORCH_CHECK`` calls, ``mindspeed``
+    for MindSpeed's checks, ``meta`` for the meta kernel's; ``list`` and violation messages show
+    it next to the source"""
     when: When | None = None
     doc: str | None = None
     signature: tuple[str, ...] | None = None

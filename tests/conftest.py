@@ -8,7 +8,7 @@ import pytest
 
 import opcontracts
 from opcontracts._engine import violations
-from opcontracts._lang import modes
+from opcontracts._lang import modes, targets
 
 
 @pytest.fixture(autouse=True)
@@ -36,6 +36,8 @@ def _clean_opcontracts_state() -> Iterator[None]:
     modes.clear_overrides()
     opcontracts.reset_report()
     violations.reset_warnings()
+    if targets._in_code is not None:  # targets a test declared do not outlive it
+        opcontracts.set_targets()
 
 
 @pytest.fixture(autouse=True)

@@ -345,6 +345,7 @@ def test_every_route_to_the_emulated_ops_is_caught_in_strict(emulated_patch):
     import octest_user
 
     good, bad = _unpermute_args(), _unpermute_args(torch.float32)
+    opcontracts.set_targets(cann="8.0.RC3")  # the incident's stack: torch_npu's unpermute is bf16-only
     routes = {
         "torch_npu.x": torch_npu.npu_moe_token_unpermute,
         "torch.ops.npu.x": torch.ops.npu.npu_moe_token_unpermute,
@@ -368,6 +369,7 @@ def test_dispatch_mode_catches_a_captured_npu_overload(emulated_patch):
 
     captured = torch.ops.npu.npu_moe_token_unpermute.default  # bypasses every Python name
     bad = _unpermute_args(torch.float32)
+    opcontracts.set_targets(cann="8.0.RC3")  # where fp32 probs are wrong whatever the chip
     with opcontracts.mode("strict"):
         captured(*bad)  # silently computes garbage: nothing checks it
         with ContractDispatchMode(), pytest.raises(ContractViolation, match="probs"):

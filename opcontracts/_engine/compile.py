@@ -73,6 +73,8 @@ class Rule:
     arg_spec: Arg | None = None
     partner: str | None = None
     detail: Any = None
+    layer: str | None = None
+    """the layer whose check decides the rule (``spec.LAYERS``), when the contract says"""
 
 
 @dataclass
@@ -99,6 +101,9 @@ class CompiledContract:
     fast_source: str = ""
     key: int = -1
     """index in ``BY_KEY``: how code traced by torch.compile names this contract as a constant"""
+    origin: Any = None
+    """the contract it was compiled from (``contract`` may lack the arguments the guarded
+    callable does not take): how the slow path finds the registry's readings behind it"""
 
 
 _counter = itertools.count()
@@ -140,6 +145,7 @@ class _Gen:
         self.in_case = False
         self.context = ""
         self.case_source: str | None = None
+        self.case_layer: str | None = None
 
     # -- helpers -----------------------------------------------------------------------
     def const(self, value: Any) -> str:
@@ -151,8 +157,9 @@ class _Gen:
              partner: str | None = None, detail: Any = None) -> int:
         source = (spec.source if spec is not None and spec.source else None) \
             or self.case_source or self.c.source
+        layer = (spec.layer if spec is not None else None) or self.case_layer or self.c.layer
         self.rules.append(Rule(self.c.op, arg, kind, expected + self.context, source, spec,
-                               partner, detail))
+                               partner, detail, layer))
         return len(self.rules) - 1
 
     def emit(self, indent: int, line: str) -> None:
@@ -408,9 +415,24 @@ class _Gen:
             if len(self.lines) == before and ind > 1:  # an optional argument with no rule to run
                 self.emit(ind, "pass")
 
+    def default_of(self, arg: str) -> Any:
+        """The value a left-out ``arg`` takes (the signature's or schema's default), or
+        ``MISSING`` when there is none (or it is None: nothing to check)."""
+        p = next((p for p in self.params if p.name == arg), None)
+        return p.default if p is not None and p.has_default and p.default is not None else MISSING
+
+    def fail_default(self, rid: int, default: Any) -> str:
+        """Fail a left-out argument whose default breaks the rule (decided when compiling: a
+        default that conforms costs the checker nothing)."""
+        if self.fast:
+            return "return False"
+        return (f"return _oc_V({rid}, {self.const(default)}, {self.bdict()}, None, "
+                "'left out: its default')")
+
     def scalar(self, arg: str, spec: Arg) -> None:
         v = arg
         present = f"{v} is not _oc_M and {v} is not None"
+        default = self.default_of(arg)
         if not spec.optional:  # None for a required scalar is a missing value, whatever its rules
             rid = self.rule(arg, "missing", "a value (this argument is not optional)", spec)
             self.emit(self.base, f"if {v} is None: {self.fail(rid, v)}")
@@ -418,6 +440,8 @@ class _Gen:
             rid = self.rule(arg, "allowed", "one of " + ", ".join(map(repr, spec.allowed)), spec)
             self.emit(self.base, f"if {present} and {v} not in {self.const(tuple(spec.allowed))}: "
                          f"{self.fail(rid, v)}")
+            if default is not MISSING and default not in spec.allowed:
+                self.emit(self.base, f"if {v} is _oc_M: {self.fail_default(rid, default)}")
         bounds = [(n, getattr(spec, n)) for n in ("ge", "le", "lt") if getattr(spec, n) is not None]
         if bounds and not self.fast:
             # a value that cannot be compared with a number ("abc" against ge=1) is a violation
@@ -431,6 +455,8 @@ class _Gen:
             rid = self.rule(arg, "bound", f"{sym} {bound}", spec, detail=(sym, bound))
             if isinstance(bound, int):
                 self.emit(self.base, f"if {present} and {v} {op_sym} {bound}: {self.fail(rid, v)}")
+                if isinstance(default, numbers.Real) and not _holds(default, sym, bound):
+                    self.emit(self.base, f"if {v} is _oc_M: {self.fail_default(rid, default)}")
             else:
                 d = parse_shape(bound).dims[0]
                 py = d.py or d.text
@@ -441,6 +467,12 @@ class _Gen:
                 self.deferred.append(
                     (f"if {present} and {guard} and {v} {op_sym} {py}: "
                      f"return _oc_V({rid}, {v}, __BINDINGS__, None)", 1))
+                if isinstance(default, numbers.Real):  # left out: its default against the sizes
+                    c = self.const(default)
+                    self.deferred.append(
+                        (f"if {v} is _oc_M and {guard} and {c} {op_sym} {py}: "
+                         f"return _oc_V({rid}, {c}, __BINDINGS__, None, 'left out: its default')",
+                         1))
 
     def case_code(self, case: Any) -> None:
         """The rules of one ``Case``, under its condition (a wrapper without one of the
@@ -465,11 +497,13 @@ class _Gen:
         before, mark, bound = len(self.lines), len(self.deferred), set(self.bound)
         self.base, self.in_case = 2, True
         self.context, self.case_source = f" (when {case.condition_text})", case.source
+        self.case_layer = case.layer
         try:
             for name, spec in args.items():
                 self.arg_code(name, spec)
         finally:
             self.base, self.in_case, self.context, self.case_source = 1, False, "", None
+            self.case_layer = None
             self.bound = bound
         if len(self.lines) == before:
             self.emit(2, "pass")
@@ -555,6 +589,10 @@ class _Gen:
                                 self.has_values, self.tensor_args, fn)
 
 
+def _holds(value: Any, sym: str, bound: int) -> bool:
+    return bool({">=": value >= bound, "<=": value <= bound, "<": value < bound}[sym])
+
+
 def _int_list_tensor(v: list[Any] | tuple[Any, ...]) -> Any:
     """A list of ints as the 1-D int64 tensor the kernel would build from it; anything else
     unchanged (so the type rule reports it)."""
@@ -622,6 +660,7 @@ def compile_contract(contract: Contract, params: Sequence[Param] | None = None) 
     careful.fast = quick.check  # type: ignore[assignment]  # returns bool in fast mode
     careful.fast_source = quick.source_code
     careful.key = next(_counter)
+    careful.origin = contract
     BY_KEY[careful.key] = careful
     FAST_BY_KEY[careful.key] = quick.check
     OP_BY_KEY[careful.key] = contract.op

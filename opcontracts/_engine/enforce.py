@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from .._lang import modes as _modes
+from .._lang import targets
 from ..errors import ContractViolation
 from . import memo
 from . import registry as _registry
@@ -125,6 +126,8 @@ def make_guard(fn: Callable[..., Any], cc: CompiledContract | None = None, *,
     if cc is None and factory is None:
         raise TypeError("make_guard needs a compiled contract or a factory")
     _modes.check_setting()  # a bad OPCONTRACTS_MODE stops the start-up, not a call
+    if factory is not None:
+        targets.check()  # so do bad targets (OPCONTRACTS_TARGETS, pyproject.toml)
     if op is None:
         assert cc is not None
         op = cc.contract.op

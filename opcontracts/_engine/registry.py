@@ -15,11 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .._lang import targets as _targets
 from .._lang import versions
 from ..errors import ContractFileError, OpContractsError
 
 if TYPE_CHECKING:  # pydantic is imported when contracts are first validated, not at import
     from ..spec import Arg, Contract
+    from .readings import Resolution
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -68,6 +70,7 @@ def near_ops(op: str, n: int = 5) -> list[str]:
 _lock = threading.RLock()
 _by_op: dict[str, list[Contract]] = {}
 _resolved: dict[str, Contract | None] = {}
+_resolutions: dict[str, Resolution] = {}
 
 
 class _Generation:
@@ -94,6 +97,7 @@ def on_change(callback: Callable[[], None]) -> None:
 def _changed() -> None:
     """Called with ``_lock`` held, after a change: drop resolutions, tell the listeners."""
     _resolved.clear()
+    _resolutions.clear()
     GENERATION.value += 1
     for cb in list(_listeners):
         cb()
@@ -179,11 +183,34 @@ def resolve(op: str) -> Contract | None:
             lst = _by_op.get(op)
         if not lst:
             raise UnknownOpError(f"no contract registered for op {op!r}", op=op)
-        env = versions.current()
-        app = [c for c in lst if versions.applies(c.when, env) is not False]
-        res = None if not app else app[0] if len(app) == 1 else merge_contracts(app)
-        _resolved[op] = res
-        return res
+        from .readings import resolve_readings
+
+        targets = _targets.declared()[0]
+        found = resolve_readings(op, lst, _targets.stacks(versions.current(), targets), targets,
+                                 merge_contracts)
+        _resolutions[op] = found
+        _resolved[op] = found.strict
+        return found.strict
+
+
+def resolution(op: str) -> Resolution | None:
+    """How ``resolve(op)`` decided: the readings still possible on the stacks judged (the
+    targets, or this environment) and the strictest merge that is enforced; None if no
+    contract is registered for ``op``."""
+    try:
+        resolve(op)
+    except UnknownOpError:
+        return None
+    with _lock:
+        return _resolutions.get(op)
+
+
+def resolution_of(contract: Contract | None) -> Resolution | None:
+    """The resolution whose enforced contract is ``contract`` (the very object), if any."""
+    if contract is None:
+        return None
+    found = _resolutions.get(contract.op)
+    return found if found is not None and found.strict is contract else None
 
 
 def get_contract(op: str) -> Contract:
@@ -221,8 +248,17 @@ def _merge_arg(a: Arg, b: Arg) -> Arg:
     elif b.dtype is not None:
         data["dtype_if_present"] = b.dtype_if_present
     data["optional"] = a.optional and b.optional
-    data["source"] = join_sources(a.source, b.source)
+    if a.layer != b.layer and a.layer is not None and b.layer is not None:
+        # rules of two layers in one argument: each source says its layer
+        data["layer"] = None
+        data["source"] = join_sources(_with_layer(a.source, a.layer), _with_layer(b.source, b.layer))
+    else:
+        data["source"] = join_sources(a.source, b.source)
     return Arg.model_validate({("list" if k == "tensor_list" else k): v for k, v in data.items()})
+
+
+def _with_layer(source: str | None, layer: str | None) -> str | None:
+    return source if layer is None else f"{source or 'no source'} (layer {layer})"
 
 
 def _names(shapes: tuple[str, ...]) -> set[str]:
@@ -259,17 +295,17 @@ def merge_contracts(items: list[Contract]) -> Contract:
     args: dict[str, Arg] = {}
     for c in items:
         for name, a in c.args.items():
-            if name in args:
-                a2 = a.model_copy(update={"source": a.source or c.source})
-                args[name] = _merge_arg(args[name], a2)
-            else:
-                args[name] = a.model_copy(update={"source": a.source or c.source})
+            own = a.model_copy(update={"source": a.source or c.source, "layer": a.layer or c.layer})
+            args[name] = _merge_arg(args[name], own) if name in args else own
     targets = tuple(dict.fromkeys(t for c in items for t in c.targets))
+    layers = {c.layer for c in items}
     return Contract(
         first.op, args, targets=targets,
         source=join_sources(*(c.source for c in items)),
+        layer=layers.pop() if len(layers) == 1 else None,
         signature=first.signature, same_device=any(c.same_device for c in items),
-        cases=_unique_cases(c.cases for c in items),
+        cases=_unique_cases(tuple(k.model_copy(update={"layer": k.layer or c.layer})
+                                  for k in c.cases) for c in items),
         doc=first.doc, file=first.file,
     )
 
@@ -325,10 +361,10 @@ def shipped_index() -> list[IndexEntry]:
 
 def applicable_targets() -> dict[str, tuple[str, ...]]:
     """op -> targets of the shipped contracts that (may) apply here, from the index."""
-    env = versions.current()
+    stacks = _targets.stacks(versions.current())
     out: dict[str, tuple[str, ...]] = {}
     for e in shipped_index():
-        if versions.applies(e.when, env) is False:
+        if all(versions.applies(e.when, env) is False for env in stacks):
             continue
         out[e.op] = tuple(dict.fromkeys(out.get(e.op, ()) + e.targets))
     return out

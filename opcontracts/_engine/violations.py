@@ -22,6 +22,7 @@ from .._lang import values as _values
 from .._lang.dtypes import dtype_name, int_range, parse_dtype
 from .._lang.shapes import ShapeSpec, eval_dim, parse_shape
 from ..errors import ContractFixWarning, ContractViolation, ContractWarning
+from . import conditional as _conditional
 from . import memo, nesting
 from . import records as _report_mod
 from . import registry as _registry
@@ -47,7 +48,7 @@ def _actual(raw: RawViolation) -> str:
     if kind == "value":
         return f"{raw.note}"
     if kind in ("allowed", "bound"):
-        return f"is {v!r}"
+        return f"is {v!r}" + (f" ({raw.note})" if raw.note else "")
     if kind == "list_len":
         return f"has {len(v)} tensors"
     if not isinstance(v, torch.Tensor):
@@ -100,6 +101,35 @@ def _fix_target(raw: RawViolation, partner_value: Any) -> torch.dtype | None:
             if dlo <= lo and hi <= dhi:
                 return d
     return None
+
+
+def why_not_fixed(raw: RawViolation, partner_value: Any) -> str | None:
+    """Why ``fix`` mode leaves this violation to the user, in words (None: it is not a dtype
+    matter, or a cast would repair it)."""
+    v, rule = raw.value, raw.rule
+    spec = rule.arg_spec
+    if not isinstance(v, torch.Tensor) or spec is None:
+        return None
+    if rule.kind not in ("dtype", "same_dtype"):
+        return f"a {rule.kind} rule cannot be repaired by a cast"
+    if spec.fix == "never":
+        return "the contract says fix = \"never\" for this argument"
+    if rule.kind == "same_dtype":
+        if v.is_floating_point():
+            return None
+        return "fix mode casts only floating tensors to their partner's dtype"
+    allowed = [parse_dtype(d) for d in spec.dtype or ()]
+    if v.is_floating_point():
+        return None if any(d.is_floating_point for d in allowed) else \
+            "no floating dtype is allowed here: a cast would change what the values mean"
+    ints = [d for d in allowed if not d.is_floating_point and not d.is_complex and d is not torch.bool]
+    if spec.fix != "cast":
+        to = f" -> {dtype_name(ints[0])}" if ints else ""
+        return (f"fix mode casts floats only; an integer or bool cast ({dtype_name(v.dtype)}{to}) "
+                "needs fix = \"cast\" on the argument, which checks that the values fit")
+    if not ints or v.is_complex() or v.dtype is torch.bool:
+        return "no integer dtype is allowed here"
+    return f"the values do not fit in {', '.join(dtype_name(d) for d in ints)}"
 
 
 def _concrete(spec: ShapeSpec, bindings: dict[str, int]) -> str:
@@ -194,14 +224,14 @@ def _expected(raw: RawViolation, partner_value: Any) -> str:
 
 
 def violation_from_raw(raw: RawViolation, site: CallSite | None, partner_value: Any = None,
-                       ) -> ContractViolation:
+                       reading: str | None = None) -> ContractViolation:
     rule = raw.rule
     arg = rule.arg if raw.index is None else f"{rule.arg}[{raw.index}]"
     return ContractViolation(
         op=rule.op, arg=arg, rule=rule.kind, expected=_expected(raw, partner_value),
         actual=_actual(raw),
         bindings=raw.bindings, call_site=str(site) if site else None, source=rule.source,
-        fix=_hint(raw, partner_value), rank=current_rank(),
+        fix=_hint(raw, partner_value), rank=current_rank(), layer=rule.layer, reading=reading,
     )
 
 
@@ -224,6 +254,7 @@ def reset_warnings() -> None:
         _registries.clear()
     _site_cache.clear()
     _nested_sites.clear()
+    _conditional.reset()
 
 
 # --------------------------------------------------------------------------- slow path
@@ -363,6 +394,24 @@ def _violated(m: _modes.Mode, cc: CompiledContract, fn: Callable[..., Any],
     """
     __tracebackhide__ = True  # pytest: show the user's frame, not ours
     caller = sys._getframe(depth)
+    reading, decided = None, None
+    if _conditional.resolution(cc) is not None:
+        # the op's readings disagree (a version unknown, several targets): judged on each
+        if _conditional.repeat(cc, caller.f_code, caller.f_lineno, args, kwargs):
+            return fn(*args, **kwargs)
+        try:
+            first = cc.check(*args, **kwargs)
+        except TypeError:  # the arguments do not even bind: let the original say so
+            return fn(*args, **kwargs)
+        verdict = _conditional.judge(cc, args, kwargs) if first is not None else None
+        if verdict is None or verdict.decided is None:
+            # (inside a violating guarded call the user's mistake is already reported)
+            if verdict is not None and verdict.conditional and nesting.outer() is None:
+                _conditional.warn_conditional(verdict, cc, _actual, caller, args, kwargs)
+            return fn(*args, **kwargs)  # conditional (warned), or accepted on every reading
+        reading = _conditional.reading_note(verdict)
+        if verdict.resolution.targets:  # a declared target rejects: in its own contract's words
+            decided = verdict.decided[1]
     outer = nesting.outer() if m is not _modes.STRICT else None
     if outer is not None:  # inside a violating guarded call: the same mistake, attached to it
         return _nested(outer, m, cc, fn, args, kwargs, caller)
@@ -388,6 +437,8 @@ def _violated(m: _modes.Mode, cc: CompiledContract, fn: Callable[..., Any],
         return fn(*args, **kwargs)
     if raw is None:  # e.g. the fast check is stricter about an exotic argument type
         return fn(*args, **kwargs)
+    if decided is not None and m is not _modes.FIX:
+        raw = decided
     ckey = (cc.key, id(raw.rule), caller.f_code, caller.f_lineno, m)
     entry = _site_cache.get(ckey)
     if entry is not None and m is _modes.WARN:
@@ -398,7 +449,7 @@ def _violated(m: _modes.Mode, cc: CompiledContract, fn: Callable[..., Any],
     b = _Bound(cc, args, kwargs)
     if m is _modes.FIX:
         return _fix_and_call(raw, cc, fn, b, site, (cc.key, caller.f_code, caller.f_lineno, m))
-    exc = violation_from_raw(raw, site, b.get(raw.rule.partner))
+    exc = violation_from_raw(raw, site, b.get(raw.rule.partner), reading)
     msg, _ = _record_and_message(exc, site, m, False)
     if m is _modes.WARN:
         key = (exc.op, exc.arg, exc.rule, str(site) if site else "?", m.value)
@@ -532,6 +583,10 @@ def _fix_and_call(raw: RawViolation, cc: CompiledContract, fn: Callable[..., Any
         for r in repairs:
             exc = violation_from_raw(r.raw, site, r.partner)
             _record_and_message(exc, site, _modes.FIX, False)
+        why = why_not_fixed(repairs[-1].raw, repairs[-1].partner)
+        if why:
+            exc.fix = f"{exc.fix or 'repair it in the calling code'} (fix mode did not cast: {why})"
+            exc.args = (exc._message(),)
         raise exc
     keys: list[tuple[str, str | None, str, str, str]] = []
     messages: list[str] = []

@@ -1,0 +1,160 @@
+"""Calls whose verdict depends on a version nobody declared: warned once, not raised, not cast.
+
+The guard enforces the strictest reading of an op's contracts (``readings``): a call it
+accepts is accepted on every stack still possible, so nothing here runs for it.  A call it
+rejects comes here from ``violations._violated`` (slow path) and is judged on each reading:
+
+- rejected on every reading of some stack judged: a violation, as before (``decided`` says
+  which reading, for the message's ``reading:`` line);
+- rejected on some readings only: *conditional*.  Every mode warns once per call site
+  (``ContractConditionalWarning``, naming the readings that reject and what would decide) and
+  runs the call as it came: strict mode does not raise, fix mode does not cast.
+
+A call site seen conditional learns the call's metadata (``memo``): a repeat with the same
+tensors' metadata and constants warns (deduplicated by the warnings machinery) and runs
+without the careful check and the readings.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .._lang import values as _values
+from .._lang import versions as _versions
+from ..errors import ContractConditionalWarning, source_text
+from . import memo
+from . import registry as _registry
+from .callsite import CallSite, find_call_site
+from .compile import CompiledContract, RawViolation, compile_contract
+
+if TYPE_CHECKING:
+    from .readings import Resolution, Verdict
+
+__all__ = ["judge", "repeat", "warn_conditional", "reading_note", "reset"]
+
+_SITE_CAPACITY = 8  # call metadata learnt per call site
+_lock = threading.Lock()
+# (contract key, code, line) -> (message, site, warnings registry, learnt checks)
+_sites: dict[tuple[Any, ...], tuple[str, CallSite | None, dict[Any, Any], tuple[Any, ...]]] = {}
+
+
+def reset() -> None:
+    with _lock:
+        _sites.clear()
+
+
+def resolution(cc: CompiledContract) -> Resolution | None:
+    """The registry's resolution ``cc`` was compiled from, when its readings can disagree."""
+    res = _registry.resolution_of(cc.origin)
+    return res if res is not None and res.split else None
+
+
+def judge(cc: CompiledContract, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Verdict | None:
+    """The call on every reading of ``cc``'s resolution; None when there is one reading."""
+    res = resolution(cc)
+    if res is None:
+        return None
+    return res.judge(cc.params, args, kwargs, compile_contract)
+
+
+def repeat(cc: CompiledContract, code: Any, line: int, args: tuple[Any, ...],
+           kwargs: dict[str, Any]) -> bool:
+    """A repeat of a conditional call already judged at this site: warn (once, by the warnings
+    machinery) and say True; the caller runs the call."""
+    entry = _sites.get((cc.key, code, line))
+    if entry is None or (cc.has_values and _values.ENABLED[0]):
+        return False
+    for same in entry[3]:
+        if same(*args, **kwargs):
+            _emit(entry[0], entry[1], entry[2])
+            return True
+    return False
+
+
+def _emit(message: str, site: CallSite | None, registry: dict[Any, Any]) -> None:
+    if site is None:
+        warnings.warn(message, ContractConditionalWarning, stacklevel=5)
+    else:
+        warnings.warn_explicit(message, ContractConditionalWarning, site.filename, site.lineno,
+                               module=site.module, registry=registry)
+
+
+def _unknown_text(res: Resolution) -> str:
+    names = list(res.unknown) or ["a version"]
+    return " and ".join(names) + (" unknown" if res.unknown else "")
+
+
+def how_to_decide(res: Resolution) -> str:
+    """What a user sets so the verdict is decided (the variables name the fields unknown)."""
+    example = ",".join(f"{n}={'Ascend910B3' if n == 'soc' else 'X'}" for n in res.unknown) or "cann=X"
+    pins = [v for n in res.unknown if (v := _versions.ENV_VARS.get(n))]
+    text = (f"set the target: OPCONTRACTS_TARGETS=\"{example}\", [tool.opcontracts] targets in "
+            f"pyproject.toml, or opcontracts.set_targets({example.replace(',', ', ')})")
+    if pins:
+        text += " (or " + ", ".join(pins) + " on the machine itself)"
+    return text
+
+
+def _why(raw: RawViolation) -> str:
+    """One rejecting reading's rule, short: ``expected int64; source ... (layer cann: ...)``."""
+    rule = raw.rule
+    return f"expected {rule.expected}; source: {source_text(rule.source, rule.layer)}"
+
+
+def warn_conditional(verdict: Verdict, cc: CompiledContract,
+                     actual: Callable[[RawViolation], str], caller: Any,
+                     args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Warn about a conditional call at the caller's line, and learn it for repeats."""
+    res = verdict.resolution
+    site = find_call_site(caller)
+    first = verdict.rejected[0][1]
+    arg = first.rule.arg if first.index is None else f"{first.rule.arg}[{first.index}]"
+    rejecting = [r for r, _ in verdict.rejected]
+    where = "; ".join(dict.fromkeys(_reading_name(res, r) for r in rejecting))
+    lines = [f"{cc.contract.op}: argument '{arg}' {actual(first)}: rejected only where "
+             f"{where}, and {_unknown_text(res)} here: not a violation until a target decides"]
+    for r, raw in verdict.rejected:
+        lines.append(f"  rejected:  {_reading_name(res, r)}: {_why(raw)}")
+    for r in verdict.accepted:
+        lines.append(f"  accepted:  {_reading_name(res, r)}")
+    if site is not None:
+        lines.append(f"  call site: {site}")
+    lines.append("  verdict:   conditional: not raised (strict), not cast (fix), run as it came")
+    lines.append(f"  to decide: {how_to_decide(res)}")
+    message = "\n".join(lines)
+    key = (cc.key, caller.f_code, caller.f_lineno)
+    with _lock:
+        old = _sites.get(key)
+        registry = old[2] if old is not None else {}
+        learnt = old[3] if old is not None else ()
+        if len(learnt) < _SITE_CAPACITY and not (cc.has_values and _values.ENABLED[0]):
+            same = memo.learn(args, any(r.kind == "contiguous" for r in cc.rules), kwargs)
+            if same is not None:
+                learnt = learnt + (same,)
+        if len(_sites) >= 4096:
+            _sites.pop(next(iter(_sites)), None)
+        _sites[key] = (message, site, registry, learnt)
+    _emit(message, site, registry)
+
+
+def _reading_name(res: Resolution, r: Any) -> str:
+    label = r.label or "every stack"
+    return f"{res.stack_label(r.stack)}: {label}" if res.targets else label
+
+
+def reading_note(verdict: Verdict) -> str:
+    """A violation's ``readings:`` line: which reading decided, among how many."""
+    res = verdict.resolution
+    assert verdict.decided is not None
+    r, _ = verdict.decided
+    n = len(res.readings)
+    if res.targets:
+        stack = res.stack_label(r.stack)
+        more = f" (as read where {r.label})" if r.label else ""
+        return f"rejected on {stack}{more}"
+    return (f"{_unknown_text(res)}: rejected on each of the {n} readings "
+            f"({'; '.join(x.label for x in res.readings)}); the message shows the strictest, "
+            f"which the fix satisfies on all of them")
