@@ -139,7 +139,7 @@ def test_flags_decide_the_versions(capsys: Any) -> None:
     assert f["verdict"] == "violation" and f["expected"] == "bfloat16"
     code, data = as_json(capsys, NPU, "--torch-npu", "2.13.0", "--cann", "8.5.0")
     assert code == 0 and data["findings"] == []
-    assert data["versions"]["cann"] == "8.5.0"
+    assert [(s["torch_npu"], s["cann"]) for s in data["stacks"]] == [("2.13.0", "8.5.0")]
 
 
 def test_flags_win_over_environment(capsys: Any, monkeypatch: Any) -> None:
@@ -154,6 +154,30 @@ def test_flags_win_over_environment(capsys: Any, monkeypatch: Any) -> None:
     finally:
         monkeypatch.undo()
         versions.refresh()
+
+
+def test_targets_decide_when_no_flag_is_given(capsys: Any, monkeypatch: Any,
+                                              tmp_path: Path) -> None:
+    """flags > targets (``[tool.opcontracts]``, ``OPCONTRACTS_TARGETS``) > detection."""
+    monkeypatch.delenv("OPCONTRACTS_TARGETS", raising=False)
+    (tmp_path / "pyproject.toml").write_text(
+        '[tool.opcontracts]\ntargets = [{torch_npu = "2.13.0", cann = "8.0.RC3", name = "old"}]\n')
+    monkeypatch.chdir(tmp_path)
+    code, data = as_json(capsys, NPU)
+    assert code == 1 and [f["verdict"] for f in _probs(data["findings"])] == ["violation"]
+    assert data["stacks"][0]["label"].startswith("target 'old'")
+    assert as_json(capsys, NPU, "--torch-npu", "2.13.0", "--cann", "8.5.0")[0] == 0  # flags win
+    monkeypatch.setenv("OPCONTRACTS_TARGETS", "torch_npu=2.13.0,cann=8.5.0")  # over the file
+    assert as_json(capsys, NPU)[0] == 0
+
+
+def test_several_targets_name_the_one_that_rejects(capsys: Any, monkeypatch: Any) -> None:
+    monkeypatch.setenv("OPCONTRACTS_TARGETS", "torch_npu=2.13.0,cann=8.5.0,name=new;"
+                       "torch_npu=2.13.0,cann=8.0.RC3,name=old")
+    code, out, _ = run(capsys, NPU)
+    assert code == 1
+    assert "rejected on: target 'old' (torch_npu 2.13.0, cann 8.0.RC3)" in out
+    assert "judged for target 'new'" in out and "judged for target 'old'" in out
 
 
 # ----------------------------------------------------------------- binding and naming

@@ -20,66 +20,84 @@ the versions it depends on, never counted as a violation.  Findings are merged o
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .._engine import registry as _registry
+from .._engine.compile import Param
+from .._engine.readings import resolve_readings
 from .._engine.records import aligned
+from .._lang import targets as _targets
 from .._lang import versions as _versions
 from .._ranks.gather import _ranks_text
 from ..errors import ContractViolation, OpContractsError, format_violation
 from . import msprobe_dump as md
+
+if TYPE_CHECKING:
+    from .._engine.readings import Resolution
 
 __all__ = ["Finding", "DumpVerdict", "Judge", "judged_calls", "check_path", "render",
            "to_json", "environment"]
 
 
 # --------------------------------------------------------------------------- versions
+@dataclass(frozen=True)
+class Stacks:
+    """The stacks a dump is judged against (``targets.stacks``): one per target, or this
+    environment alone; ``targets`` is empty in that case."""
+
+    targets: tuple[_targets.Target, ...]
+    envs: tuple[_versions.Env, ...]
+
+    def labels(self) -> list[str]:
+        if not self.targets:
+            return ["this environment"]
+        return [t.label for t in self.targets]
+
+
 def environment(*, torch_npu: str | None = None, cann: str | None = None,
-                soc: str | None = None) -> _versions.Env:
-    """The versions a dump is judged for: each flag given (``"unknown"`` forces unknown), else
-    the detection of ``opcontracts env`` (``OPCONTRACTS_*_VERSION``, ``set_versions``, the
-    packages and toolkit found here)."""
-    # TODO(issue 23): the project's targets ([tool.opcontracts]) go between the two
-    base = _versions.current()
-    values: dict[str, Any] = {n: getattr(base, n) for n in _versions.FIELDS}
-    origins = dict(base.origins)
+                soc: str | None = None) -> Stacks:
+    """The stacks a dump is judged against, the first that says anything: the flags (one
+    target; ``"unknown"`` forces a version unknown), the declared targets
+    (``OPCONTRACTS_TARGETS``, ``[tool.opcontracts]`` in pyproject.toml, ``set_targets``), this
+    environment (``opcontracts env``: ``OPCONTRACTS_*_VERSION``, what is installed here).  What a
+    target leaves out comes from the environment.  ``OpContractsError`` on a bad flag."""
+    given: list[tuple[str, str]] = []
+    unknown: list[str] = []
     for name, flag in (("torch_npu", torch_npu), ("cann", cann), ("soc", soc)):
         if flag is None:
             continue
         text, option = flag.strip(), f"--{name.replace('_', '-')}"
-        unknown = text.lower() == _versions.UNKNOWN
         if not text:
             raise OpContractsError(f"{option}: empty (give a value, or 'unknown')")
-        if name != "soc" and not unknown and _versions.normalize_version(text) is None:
+        if text.lower() == _versions.UNKNOWN:
+            unknown.append(name)
+        elif name != "soc" and _versions.normalize_version(text) is None:
             example = "2.13.0" if name == "torch_npu" else "8.0.RC3"
             raise OpContractsError(f"{option} {flag!r}: not a version (try {example!r} or "
                                    "'unknown')")
-        values[name] = None if unknown else text
-        origins[name] = option
-    return _versions.Env(**values, origins=tuple(origins.items()), emulated=base.emulated)
+        else:
+            given.append((name, text))
+    chosen = ((_targets.Target(tuple(given), origin="the --torch-npu/--cann/--soc flags"),)
+              if given or unknown else _targets.declared()[0])
+    envs = _targets.stacks(_versions.current(), chosen)
+    if unknown:
+        envs = tuple(dataclasses.replace(e, **dict.fromkeys(unknown)) for e in envs)
+    return Stacks(chosen, envs)
 
 
 # --------------------------------------------------------------------------- judging
 class Verdict(NamedTuple):
     kind: str
-    """``violation``, or ``conditional``: a violation only if an unknown version is one the
-    rule's contract names (``depends_on``)"""
+    """``violation``, or ``conditional``: rejected only on some readings of the contracts
+    (a version unknown decides), ``depends_on`` naming them"""
     violation: ContractViolation
     depends_on: tuple[str, ...] = ()
-
-
-class _Checkers(NamedTuple):
-    sure: Any
-    """compiled checker of the contracts that apply (merged strictest); None when none surely does"""
-    full: Any
-    """of every contract that may apply (the registry's own reading with versions unknown)"""
-    maybe: tuple[Any, ...]
-    """the contracts whose ``when`` needs an unknown version"""
-    each: dict[int, Any]
-    """id(contract in maybe) -> compiled checker of ``sure`` plus that one"""
+    on: str | None = None
+    """with several targets: the one whose every reading rejects the call"""
 
 
 class Unjudged(Exception):
@@ -87,32 +105,41 @@ class Unjudged(Exception):
 
 
 class Judge:
-    """The verdicts on recorded calls for one environment: per op, the compiled checkers of
-    the contracts that surely apply and of every one that may; per distinct recorded signature
-    the verdicts, memoized (a dump repeats the same calls layer after layer)."""
+    """The verdicts on recorded calls for some stacks, as the guard reaches them: the op's
+    strictest checker first (a call it accepts is accepted on every reading); a call it
+    rejects judged on each reading of the op's contracts (``_engine.readings``), a violation
+    when every reading of a stack rejects it, conditional when only some do.  Per distinct
+    recorded signature the verdicts are memoized (a dump repeats the same calls layer after
+    layer)."""
 
-    def __init__(self, env: _versions.Env) -> None:
+    def __init__(self, stacks: Stacks) -> None:
         import torch
 
         self._torch = torch
-        self.env = env
-        self._checkers: dict[str, _Checkers] = {}
+        self.stacks = stacks
+        self._resolutions: dict[str, Resolution] = {}
+        self._params: dict[tuple[str, str], list[Param]] = {}
         self._verdicts: dict[tuple[Any, ...], list[Verdict]] = {}
         self._dtypes: dict[str, Any] = {}
         self._release: Any = None
 
-    def _params(self, contract: Any, call: md.ApiCall) -> Any:
-        """How positional inputs bind: for torch_npu's ops the schema in the shipped digest
-        (of the release judged for, else the newest it has), the schema the emulation
-        registers too; otherwise None (the contract's ``signature`` or argument order)."""
-        if call.prefix != "NPU":
-            return None
+    def resolution(self, op: str) -> Resolution:
+        res = self._resolutions.get(op)
+        if res is None:
+            res = self._resolutions[op] = resolve_readings(
+                op, _registry.candidates(op), self.stacks.envs, self.stacks.targets,
+                _registry.merge_contracts)
+        return res
+
+    def _schema(self, call: md.ApiCall) -> list[Param] | None:
+        """torch_npu's schema of the op in the shipped digest (of the release judged for, else
+        the newest it has): the one the emulation registers too."""
         from .._engine.enforce import _schema_params
         from ..wheel import digest
 
         if self._release is None:
             d = digest.load()
-            v = self.env.torch_npu
+            v = self.stacks.envs[0].torch_npu
             self._release = d.release(v if v in d.versions else d.versions[-1])
         schema = self._release.schema(call.api)
         if schema is None:
@@ -122,44 +149,24 @@ class Judge:
         except RuntimeError:  # a schema torch cannot parse: the contract's own order
             return None
 
-    def checkers(self, op: str, call: md.ApiCall) -> _Checkers:
-        got = self._checkers.get(op)
-        if got is not None:
-            return got
-        from .._engine.enforce import compiled_for
-
-        sure, maybe = [], []
-        for c in _registry.candidates(op):
-            ok = _versions.applies(c.when, self.env)
-            if ok:
-                sure.append(c)
-            elif ok is None:
-                maybe.append(c)
-
-        def compiled(items: list[Any]) -> Any:
-            if not items:
-                return None
-            c = items[0] if len(items) == 1 else _registry.merge_contracts(items)
-            params = self._params(c, call)
-            try:
-                return compiled_for(c, params)
-            except OpContractsError:
-                if params is None:
-                    raise
-                # the contract names an argument the digest's schema lacks (another release):
-                # its own signature binds as well as a guard on a generic wrapper does
-                return compiled_for(c, None)
-
-        got = _Checkers(compiled(sure), compiled(sure + maybe), tuple(maybe),
-                        {id(m): compiled(sure + [m]) for m in maybe} if sure or len(maybe) > 1
-                        else {})
-        self._checkers[op] = got
+    def params(self, op: str, call: md.ApiCall) -> list[Param]:
+        """How positional inputs bind: torch_npu's schema for ``NPU.*`` calls, else (and when
+        the contract names an argument the schema lacks) the contract's ``signature`` or
+        argument order, as a guard on a generic wrapper binds."""
+        key = (op, call.prefix)
+        got = self._params.get(key)
+        if got is None:
+            strict = self.resolution(op).strict
+            own = [Param(n) for n in (strict.signature or tuple(strict.args))] if strict else []
+            schema = self._schema(call) if call.prefix == "NPU" else None
+            names = {p.name for p in schema or ()}
+            got = schema if schema and strict and all(a in names for a in strict.args) else own
+            self._params[key] = got
         return got
 
     def names(self, op: str, call: md.ApiCall) -> list[str]:
         """The parameter names positional inputs bind to."""
-        cc = self.checkers(op, call).full
-        return [p.name for p in cc.params] if cc is not None else []
+        return [p.name for p in self.params(op, call)]
 
     def _dtype(self, name: str) -> Any:
         if name not in self._dtypes:
@@ -183,29 +190,47 @@ class Judge:
                 {k: self._live(v) for k, v in call.kwargs.items()})
 
     def judge(self, op: str, call: md.ApiCall) -> list[Verdict]:
-        """The call's verdicts: the violation of the contracts that surely apply, and a
-        conditional one when the contracts that may apply make a rule those do not.
-        ``Unjudged`` / ``TypeError`` (inputs that do not bind) when it cannot be judged."""
+        """The call's verdicts (none, or one).  ``Unjudged`` / ``TypeError`` (inputs that do
+        not bind to the parameters) when it cannot be judged."""
         key = (op, call.prefix, _sig(call.args), _sig(call.kwargs))
         hit = self._verdicts.get(key)
         if hit is not None:
             return hit
-        ch = self.checkers(op, call)
-        args, kwargs = self.arguments(call)
+        from .._engine.enforce import compiled_for, explain_call
+
+        res = self.resolution(op)
         out: list[Verdict] = []
-        definite = _explain(ch.sure, args, kwargs)
-        if definite is not None:
-            out.append(Verdict("violation", definite))
-        possible = _explain(ch.full, args, kwargs)
-        if possible is not None and (definite is None or not _same(possible, definite)):
-            # the may-apply contracts that make the rule: the versions the verdict depends on
-            deps = [m for m in ch.maybe if m is not None and (
-                ch.each.get(id(m)) is None
-                or _same_or_none(_explain(ch.each[id(m)], args, kwargs), possible))]
-            out.append(Verdict("conditional", possible, tuple(dict.fromkeys(
-                _versions.explain(m.when, self.env) for m in deps or ch.maybe))))
+        if res.strict is not None:
+            params = self.params(op, call)
+            args, kwargs = self.arguments(call)
+            strict = compiled_for(res.strict, params)
+            if explain_call(strict, args, kwargs) is not None:  # TypeError: does not bind
+                out = self._readings(res, params, args, kwargs)
         self._verdicts[key] = out
         return out
+
+    def _readings(self, res: Resolution, params: list[Param], args: tuple[Any, ...],
+                  kwargs: dict[str, Any]) -> list[Verdict]:
+        from .._engine.enforce import compiled_for, explain_call
+
+        v = res.judge(params, args, kwargs, compiled_for)
+        on = None
+        if v.decided is not None:
+            reading, depends = v.decided[0], ()
+            if len(res.targets) > 1:
+                on = res.stack_label(reading.stack)
+        elif v.conditional:
+            reading = v.rejected[0][0]
+            depends = tuple(dict.fromkeys(
+                (f"{res.stack_label(r.stack)}: " if res.targets else "") + (r.label or "every stack")
+                for r, _ in v.rejected))
+        else:
+            return []
+        exc = explain_call(compiled_for(reading.contract, params), args, kwargs)
+        if exc is None or _opaque(exc, params, args, kwargs):
+            return []
+        return [Verdict("violation" if v.decided is not None else "conditional", exc, depends,
+                        on)]
 
 
 def _sig(values: Any) -> Any:
@@ -217,29 +242,16 @@ def _sig(values: Any) -> Any:
     return values
 
 
-def _same(a: ContractViolation, b: ContractViolation) -> bool:
-    return (a.arg, a.rule, a.expected) == (b.arg, b.rule, b.expected)
-
-
-def _same_or_none(a: ContractViolation | None, b: ContractViolation) -> bool:
-    return a is not None and _same(a, b)
-
-
-def _explain(cc: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ContractViolation | None:
-    """The checker's verdict, unless the rule fell on a value msprobe recorded in a form no
-    rule can read (a process group, a device): that is no finding."""
-    if cc is None:
-        return None
-    from .._engine.enforce import explain_call
-
-    v = explain_call(cc, args, kwargs)
-    if v is None:
-        return None
-    names = [p.name for p in cc.params]
-    name = (v.arg or "").split("[", 1)[0]
-    value = kwargs.get(name) if name in kwargs else (
-        args[names.index(name)] if name in names and names.index(name) < len(args) else None)
-    return None if isinstance(value, md.Opaque) else v
+def _opaque(exc: ContractViolation, params: list[Param], args: tuple[Any, ...],
+            kwargs: dict[str, Any]) -> bool:
+    """Whether the rule fell on a value msprobe recorded in a form no rule reads (a process
+    group, a device): that is no finding."""
+    names = [p.name for p in params]
+    name = (exc.arg or "").split("[", 1)[0]
+    if name in kwargs:
+        return isinstance(kwargs[name], md.Opaque)
+    i = names.index(name) if name in names else len(args)
+    return i < len(args) and isinstance(args[i], md.Opaque)
 
 
 class Judged(NamedTuple):
@@ -297,6 +309,8 @@ class Finding:
     message: str
     verdict: str = "violation"
     depends_on: tuple[str, ...] = ()
+    on: str | None = None
+    """with several targets, the one that rejects it"""
     ranks: list[int] = field(default_factory=list)
     calls: int = 0
     source: str | None = None
@@ -304,7 +318,7 @@ class Finding:
 
     def key(self) -> tuple[Any, ...]:
         return (self.step, self.verdict, self.op, self.argument, self.rule, self.expected,
-                self.got, self.call_site)
+                self.got, self.call_site, self.on)
 
 
 @dataclass
@@ -315,7 +329,7 @@ class DumpVerdict:
     files: list[str]
     steps: list[int | None]
     ranks: list[int]
-    env: _versions.Env
+    stacks: Stacks
     checked: int = 0
     ops: dict[str, int] = field(default_factory=dict)
     """contract op -> calls judged"""
@@ -331,16 +345,16 @@ class DumpVerdict:
         return [f for f in self.findings if f.verdict == "violation"]
 
 
-def check_path(path: str | Path, env: _versions.Env) -> DumpVerdict:
+def check_path(path: str | Path, stacks: Stacks) -> DumpVerdict:
     """Read and judge every ``dump.json`` PATH stands for (``msprobe_dump.find_rank_dumps``);
     ``msprobe_dump.DumpError`` when PATH is not an msprobe dump."""
     files = md.find_rank_dumps(path)
     dumps = [md.read_rank_dump(f) for f in files]
     steps = sorted({d.step for d in dumps}, key=lambda s: -1 if s is None else s)
     out = DumpVerdict(str(path), [str(f) for f in files], steps,
-                      sorted({d.rank for d in dumps if d.rank is not None}), env)
+                      sorted({d.rank for d in dumps if d.rank is not None}), stacks)
     merged: dict[tuple[Any, ...], Finding] = {}
-    for j in judged_calls(dumps, Judge(env)):
+    for j in judged_calls(dumps, Judge(stacks)):
         if j.verdicts is None:
             if j.op is None:
                 # an API as msprobe names it without its count; module entries by their kind
@@ -369,7 +383,7 @@ def _add(merged: dict[tuple[Any, ...], Finding], d: md.RankDump, call: md.ApiCal
                 format_violation(op=e.op, arg=e.arg, rule=e.rule, expected=e.expected,
                                  actual=e.actual, bindings=e.bindings, call_site=site,
                                  source=e.source, fix=e.fix),
-                v.kind, v.depends_on, source=e.source, fix=e.fix)
+                v.kind, v.depends_on, v.on, source=e.source, fix=e.fix)
     old = merged.setdefault(f.key(), f)
     old.calls += 1
     if d.rank is not None and d.rank not in old.ranks:
@@ -412,10 +426,9 @@ def render(r: DumpVerdict) -> str:
     if r.unjudged:
         lines.append(f"  not judged: {len(r.unjudged)} API(s): " + "; ".join(
             f"{k} ({why})" for k, why in list(r.unjudged.items())[:5]))
-    lines.append("  versions: " + ", ".join(
-        f"{n} {getattr(r.env, n) or 'unknown'}" + (f" ({r.env.origin(n)})" if getattr(r.env, n)
-                                                   else "")
-        for n in ("torch_npu", "cann", "soc")))
+    for label, env in zip(r.stacks.labels(), r.stacks.envs):
+        lines.append(f"  judged for {label}: " + ", ".join(
+            f"{n} {getattr(env, n) or 'unknown'}" for n in ("torch_npu", "cann", "soc")))
     viol = r.violations
     cond = [f for f in r.findings if f.verdict == "conditional"]
     if r.checked:
@@ -430,13 +443,15 @@ def render(r: DumpVerdict) -> str:
                   "", *_table(cond)]
     if r.findings:
         lines += ["", "first message of each:"]
-        shown: set[str] = set()
+        shown: set[tuple[Any, ...]] = set()
         for f in r.findings:
-            if f.message in shown:
+            if (f.message, f.depends_on, f.on) in shown:
                 continue
-            shown.add(f.message)
+            shown.add((f.message, f.depends_on, f.on))
             lines += ["  " + ln for ln in f.message.splitlines()]
             lines += [f"    depends on: {d}" for d in f.depends_on]
+            if f.on:
+                lines.append(f"    rejected on: {f.on}")
     return "\n".join(lines)
 
 
@@ -466,7 +481,7 @@ def to_json(r: DumpVerdict) -> dict[str, Any]:
         "findings": [{
             "op": f.op, "argument": f.argument, "rule": f.rule, "expected": f.expected,
             "got": f.got, "api": f.api, "step": f.step, "rank": f.ranks, "verdict": f.verdict,
-            "depends_on": list(f.depends_on), "calls": f.calls, "call_site": f.call_site,
+            "depends_on": list(f.depends_on), "rejected_on": f.on, "calls": f.calls, "call_site": f.call_site,
             "source": f.source, "fix": f.fix,
         } for f in r.findings],
         "checked": r.checked,
@@ -477,5 +492,6 @@ def to_json(r: DumpVerdict) -> dict[str, Any]:
         "files": r.files,
         "steps": r.steps,
         "ranks": r.ranks,
-        "versions": {n: getattr(r.env, n) for n in ("torch_npu", "cann", "soc")},
+        "stacks": [{"label": label, **{n: getattr(env, n) for n in ("torch_npu", "cann", "soc")}}
+                   for label, env in zip(r.stacks.labels(), r.stacks.envs)],
     }

@@ -16,9 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .._engine import registry as _registry
-from .._lang import versions as _versions
 from . import msprobe_dump as md
-from .check_dump import Judge, judged_calls
+from .check_dump import Judge, Stacks, judged_calls
 
 __all__ = ["DumpRecording", "record_dump"]
 
@@ -32,7 +31,7 @@ class DumpRecording:
     """op -> calls that violate a contract (left out, or kept with ``record_violations``)"""
 
 
-def record_dump(path: str | Path, out: str | Path, env: _versions.Env, *,
+def record_dump(path: str | Path, out: str | Path, stacks: Stacks, *,
                 record_violations: bool = False) -> DumpRecording:
     """Record PATH's calls into the contract file ``out``; ``msprobe_dump.DumpError`` when
     PATH is not an msprobe dump."""
@@ -40,7 +39,7 @@ def record_dump(path: str | Path, out: str | Path, env: _versions.Env, *,
 
     files = md.find_rank_dumps(path)
     dumps = [md.read_rank_dump(f) for f in files]
-    judge = Judge(env)
+    judge = Judge(stacks)
     rec = Recorder()
     result = DumpRecording(Path(out))
     warned: set[tuple[str, str | None, str]] = set()
