@@ -151,6 +151,8 @@ def test_flags_win_over_environment(capsys: Any, monkeypatch: Any) -> None:
     try:
         assert as_json(capsys, NPU)[0] == 1
         assert as_json(capsys, NPU, "--cann", "8.5.0")[0] == 0
+        code, data = as_json(capsys, NPU, "--cann", "unknown")  # forced unknown: conditional
+        assert code == 0 and [f["verdict"] for f in _probs(data["findings"])] == ["conditional"]
     finally:
         monkeypatch.undo()
         versions.refresh()

@@ -85,7 +85,8 @@ def environment(*, torch_npu: str | None = None, cann: str | None = None,
               if given or unknown else _targets.declared()[0])
     envs = _targets.stacks(_versions.current(), chosen)
     if unknown:
-        envs = tuple(dataclasses.replace(e, **dict.fromkeys(unknown)) for e in envs)
+        forget: dict[str, Any] = dict.fromkeys(unknown)
+        envs = tuple(dataclasses.replace(e, **forget) for e in envs)
     return Stacks(chosen, envs)
 
 
@@ -214,9 +215,10 @@ class Judge:
         from .._engine.enforce import compiled_for, explain_call
 
         v = res.judge(params, args, kwargs, compiled_for)
-        on = None
+        on: str | None = None
+        depends: tuple[str, ...] = ()
         if v.decided is not None:
-            reading, depends = v.decided[0], ()
+            reading = v.decided[0]
             if len(res.targets) > 1:
                 on = res.stack_label(reading.stack)
         elif v.conditional:
