@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import subprocess
 import sys
 import tempfile
@@ -49,6 +50,11 @@ def make_dump(root: Path, ranks: int, apis: int) -> int:
     return ours
 
 
+def _child_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=8)
@@ -57,15 +63,17 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         ours = make_dump(Path(tmp), ns.ranks, ns.apis)
-        cold, base = [], []
+        cold, base, cold_cpu, base_cpu = [], [], [], []
         for _ in range(ns.repeat):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), _child_cpu()
             subprocess.run([sys.executable, "-c", "import torch"], check=True)
             base.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
+            base_cpu.append(_child_cpu() - c0)
+            t0, c0 = time.perf_counter(), _child_cpu()
             done = subprocess.run([sys.executable, "-m", "opcontracts", "check-dump", tmp],
                                   capture_output=True, text=True)
             cold.append(time.perf_counter() - t0)
+            cold_cpu.append(_child_cpu() - c0)
             if done.returncode not in (0, 1):
                 print(done.stderr, file=sys.stderr)
                 return 2
@@ -80,8 +88,10 @@ def main(argv: list[str] | None = None) -> int:
             warm.append(time.perf_counter() - t0)
     print(f"dump: {ns.ranks} rank(s) x {ns.apis} API entries ({ours} per rank of an op with a "
           f"contract); {result.checked} call(s) judged, {len(result.findings)} finding(s)")
-    print(f"opcontracts check-dump, fresh process:  {min(cold):.2f} s (best of {ns.repeat})")
-    print(f"  of which python -c 'import torch':    {min(base):.2f} s (best of {ns.repeat})")
+    print(f"opcontracts check-dump, fresh process:  {min(cold):.2f} s wall, {min(cold_cpu):.2f} s "
+          f"CPU (best of {ns.repeat})")
+    print(f"  python -c 'import torch' alone:       {min(base):.2f} s wall, {min(base_cpu):.2f} s "
+          f"CPU")
     print(f"check_path, warm, in process:           {min(warm):.2f} s (best of {ns.repeat})")
     return 0
 
