@@ -11,17 +11,19 @@ keyword inputs by name.  Value rules are off while judging (statistics are not v
 and are counted, not judged; PyTorch's own APIs (``Torch.*``, ``Tensor.*``, ``Functional.*``
 ...) are counted and skipped.
 
-Which contracts apply is decided for the versions given (``--torch-npu``, ``--cann``,
-``--soc``), else what ``opcontracts env`` detects here.  A violation of a rule that only
-contracts whose ``when`` needs a still unknown version make is *conditional*: reported with
-the versions it depends on, never counted as a violation.  Findings are merged over ranks
-(which ranks saw each), steps kept apart.
+Which contracts apply is decided on the stacks judged: the flags' (``--torch-npu``,
+``--cann``, ``--soc``), else the declared targets (``_lang.targets``: ``[tool.opcontracts]``,
+``OPCONTRACTS_TARGETS``), else this environment.  As in the guard, a call the op's strictest
+checker accepts is accepted; one it rejects is judged on each reading of the op's contracts
+(``_engine.readings``): rejected on every reading of a stack, a violation; on some only,
+*conditional* (a version still unknown decides), reported with the readings that reject it and
+never counted as a violation.  Findings are merged over ranks (which ranks saw each), steps
+kept apart.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -39,8 +41,8 @@ from . import msprobe_dump as md
 if TYPE_CHECKING:
     from .._engine.readings import Resolution
 
-__all__ = ["Finding", "DumpVerdict", "Judge", "judged_calls", "check_path", "render",
-           "to_json", "environment"]
+__all__ = ["Stacks", "Verdict", "Judge", "Judged", "Finding", "DumpVerdict", "environment",
+           "judged_calls", "check_path", "render", "to_json"]
 
 
 # --------------------------------------------------------------------------- versions
@@ -267,31 +269,35 @@ class Judged(NamedTuple):
     """why a forward call of an op with a contract was not judged"""
 
 
-def judged_calls(dumps: list[md.RankDump], judge: Judge) -> Iterator[Judged]:
+def judged_calls(dumps: list[md.RankDump], judge: Judge) -> list[Judged]:
     """Every recorded call with its op and verdicts.  Value checks are off meanwhile (the
     engine's one switch, ``set_value_checks``: process-wide, so a job's own guards in other
-    threads would skip theirs too; this is a command-line tool's loop)."""
+    threads would skip theirs too meanwhile; this is a command-line tool's loop)."""
     from .._lang import values as _values
 
     _registry.load_shipped()
     index = md.ApiIndex(_registry.all_contracts())
+    out: list[Judged] = []
     prev = _values.set_value_checks(False)  # statistics are not values: value rules skipped
     try:
         for d in dumps:
             for call in d.calls:
                 op = index.op_for(call)
                 if op is None or call.direction != "forward":
-                    yield Judged(d, call, op, None)
-                    continue
-                if not call.inputs:
-                    yield Judged(d, call, op, None, "inputs not recorded (msprobe's data_mode)")
-                    continue
-                try:
-                    yield Judged(d, call, op, judge.judge(op, call))
-                except (Unjudged, TypeError) as exc:
-                    yield Judged(d, call, op, None, str(exc))
+                    out.append(Judged(d, call, op, None))
+                elif not call.inputs:
+                    out.append(Judged(d, call, op, None,
+                                      "inputs not recorded (msprobe's data_mode)"))
+                else:
+                    try:
+                        verdicts = judge.judge(op, call)
+                    except (Unjudged, TypeError) as exc:  # TypeError: inputs that do not bind
+                        out.append(Judged(d, call, op, None, str(exc)))
+                    else:
+                        out.append(Judged(d, call, op, verdicts))
     finally:
         _values.set_value_checks(prev)
+    return out
 
 
 # --------------------------------------------------------------------------- findings
