@@ -386,3 +386,26 @@ def test_entries_without_inputs_are_not_judged(capsys: Any, tmp_path: Path) -> N
     code, out, _ = run(capsys, rank)
     assert code == 0 and "nothing was checked" in out
     assert "not judged: 3 API(s)" in out and "inputs not recorded" in out
+
+
+MSPROBE_PYTHON = "OPCONTRACTS_MSPROBE_PYTHON"
+
+
+def test_fresh_dumps_from_msprobe_itself(tmp_path: Path, capsys: Any) -> None:
+    """Opt-in: make the dumps anew with mindstudio-probe (a venv of its own, ~0.5 GB of
+    dependencies) and check them as the committed ones are checked."""
+    import os
+    import subprocess
+
+    python = os.environ.get(MSPROBE_PYTHON)
+    if not python:
+        pytest.skip(f"set {MSPROBE_PYTHON} to a python with mindstudio-probe and this checkout "
+                    "installed (python -m venv --system-site-packages V && V/bin/pip install "
+                    "mindstudio-probe==26.2.0 && V/bin/pip install -e . --no-deps)")
+    subprocess.run([python, str(DATA / "make_dumps.py"), "stats_wrong", "stats_clean",
+                    "--out", str(tmp_path)], check=True, capture_output=True, timeout=600)
+    code, data = as_json(capsys, tmp_path / "stats_wrong")
+    assert code == 1
+    assert [(f["argument"], f["step"], f["rank"]) for f in data["findings"]] == [
+        ("probs", 0, [0, 1]), ("probs", 1, [0, 1])]
+    assert as_json(capsys, tmp_path / "stats_clean")[0] == 0

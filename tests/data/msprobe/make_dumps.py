@@ -7,7 +7,7 @@ How to refresh them (msprobe is not a dependency of opcontracts: use a scratch v
     /tmp/msprobe-venv/bin/pip install -e . --no-deps          # this checkout's opcontracts
     /tmp/msprobe-venv/bin/python tests/data/msprobe/make_dumps.py
 
-(``python tests/data/msprobe/make_dumps.py stats_wrong`` refreshes one.)  It writes four dumps
+(``... make_dumps.py stats_wrong`` refreshes one, ``--out DIR`` writes elsewhere.)  It writes four dumps
 next to itself, of a tiny MoE layer (``npu_rms_norm``, a router in fp32, the fused permute /
 unpermute, two experts in bf16, plain PyTorch around them), one training step each unless said,
 on two ranks (two processes, a gloo process group on the CPU), as msprobe writes them
@@ -130,12 +130,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def make(name: str, task: str, flavor: str, wrong: bool, steps: int) -> Path:
+def make(name: str, task: str, flavor: str, wrong: bool, steps: int, out: Path = HERE) -> Path:
     """One dump: run the two ranks in a temporary folder, copy its ``step*`` folders to
-    ``HERE/name`` (tensor files dropped, the checkout's absolute path made relative)."""
+    ``out/name`` (tensor files dropped, the checkout's absolute path made relative)."""
     import torch.multiprocessing as mp
 
-    dest = HERE / name
+    dest = out / name
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_rank, args=(2, _free_port(), task, flavor, wrong, steps, tmp), nprocs=2,
                  join=True)
@@ -158,8 +158,19 @@ DUMPS = {  # name: (task, flavor, wrong call, steps)
 
 
 def main(argv: list[str]) -> int:
-    for name in argv or list(DUMPS):
-        print(name, make(name, *DUMPS[name]), file=sys.stderr)
+    import argparse
+
+    p = argparse.ArgumentParser(description="Make the msprobe dumps of tests/data/msprobe/.")
+    p.add_argument("names", nargs="*", metavar="NAME",
+                   help=f"dumps to make (default all: {', '.join(DUMPS)})")
+    p.add_argument("--out", type=Path, default=HERE, help="folder to write them in (default: "
+                   "next to this script, the committed test data)")
+    ns = p.parse_args(argv)
+    for name in ns.names:
+        if name not in DUMPS:
+            p.error(f"no dump {name!r} (choose from {', '.join(DUMPS)})")
+    for name in ns.names or list(DUMPS):
+        print(name, make(name, *DUMPS[name], out=ns.out), file=sys.stderr)
     return 0
 
 
