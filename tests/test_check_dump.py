@@ -409,3 +409,11 @@ def test_fresh_dumps_from_msprobe_itself(tmp_path: Path, capsys: Any) -> None:
     assert [(f["argument"], f["step"], f["rank"]) for f in data["findings"]] == [
         ("probs", 0, [0, 1]), ("probs", 1, [0, 1])]
     assert as_json(capsys, tmp_path / "stats_clean")[0] == 0
+
+
+def test_a_job_without_ranks(capsys: Any, tmp_path: Path) -> None:
+    """Without a process group msprobe names the folder after the process: ``proc{PID}``."""
+    shutil.copytree(WRONG / "step0" / "rank1", tmp_path / "step0" / "proc4242")
+    code, data = as_json(capsys, tmp_path)
+    assert code == 1
+    assert [(f["step"], f["rank"]) for f in data["findings"]] == [(0, [])]

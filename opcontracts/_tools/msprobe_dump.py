@@ -239,9 +239,10 @@ def read_rank_dump(path: Path) -> RankDump:
 
 
 def find_rank_dumps(path: str | Path) -> list[Path]:
-    """The ``dump.json`` files PATH stands for: a dump folder (``step*/rank*/dump.json``), one
-    step folder (``rank*/dump.json``), one rank folder, or a ``dump.json`` itself; sorted by
-    step then rank.  ``DumpError`` when there is none."""
+    """The ``dump.json`` files PATH stands for: a dump folder (``step*/rank*/dump.json``, or
+    ``step*/proc*/`` from a job without ranks), one step folder (``rank*/dump.json``), one rank
+    folder, or a ``dump.json`` itself; sorted by step then rank.  ``DumpError`` when there is
+    none."""
     p = Path(path)
     if not p.exists():
         raise DumpError(p, "no such file or folder")
@@ -258,13 +259,15 @@ def find_rank_dumps(path: str | Path) -> list[Path]:
     found = sorted(_walk(p), key=key)
     if not found:
         raise DumpError(p, "no msprobe dump here (expected step*/rank*/dump.json, "
-                        "rank*/dump.json or a dump.json)")
+                        "rank*/dump.json, proc*/dump.json or a dump.json)")
     return found
 
 
 def _walk(p: Path) -> Iterator[Path]:
-    yield from p.glob("step*/rank*/dump.json")
-    yield from p.glob("rank*/dump.json")
+    # rank{R}: under a process group; proc{PID}: msprobe's folder when no rank is known
+    for folder in ("rank*", "proc*"):
+        yield from p.glob(f"step*/{folder}/dump.json")
+        yield from p.glob(f"{folder}/dump.json")
 
 
 class ApiIndex:
