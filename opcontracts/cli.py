@@ -297,9 +297,13 @@ def _list_json(ns: argparse.Namespace, env: Env,
                           for case in c.cases],
             })
         merged = registry.resolve(op) if any(ok is not False for _, ok in verdicts) else None
+        res = registry.resolution(op) if merged is not None else None
         ops.append({"op": op, "contracts": items,
                     "enforced": {name: _arg_json(a) for name, a in merged.args.items()}
-                    if merged is not None else None})
+                    if merged is not None else None,
+                    "readings": [{"stack": res.stack_label(r.stack), "assumes": r.label or None,
+                                  "contracts": [c.source for c in r.contracts]}
+                                 for r in res.readings] if res is not None and res.split else []})
     return {
         "environment": _env_json(env)["versions"],
         "pattern": ns.pattern,

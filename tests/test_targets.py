@@ -84,6 +84,12 @@ def test_conditional_warns_once_per_site_and_repeats_skip_the_readings(op: Any) 
         op(X, I16)  # other metadata at the same line: judged again, and rejected everywhere
 
 
+def test_check_judges_as_a_guard_does(op: Any) -> None:
+    assert len(_conditional(opcontracts.check, "tgt_op", X, I32)) == 1  # no raise
+    with pytest.raises(ContractViolation, match="rejected on each of the 2 readings"):
+        opcontracts.check("tgt_op", X, I16)
+
+
 def test_fix_mode_does_not_cast_a_conditional_call(op: Any) -> None:
     seen: list[torch.dtype] = []
 
@@ -184,6 +190,20 @@ def test_a_bad_env_var_stops_the_start_up_not_a_call(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv(targets.VAR, "cann=eight")
     with pytest.raises(SettingError, match="OPCONTRACTS_TARGETS, field cann"):
         opcontracts.enforce("npu_moe_token_permute")(lambda tokens, indices: tokens)
+
+
+def test_a_bad_env_var_stops_import_opcontracts_patch() -> None:
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPCONTRACTS_")}
+    env[targets.VAR] = "cann=eight"
+    proc = subprocess.run([sys.executable, "-c", "import opcontracts.patch"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "opcontracts.errors.SettingError: OPCONTRACTS_TARGETS, field cann: 'eight' is not a "
+        "version (try '2.10.0.post4' or '8.0.RC3')")
 
 
 def test_pyproject_found_from_the_working_directory_upwards(tmp_path: Path,

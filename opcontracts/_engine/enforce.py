@@ -31,11 +31,18 @@ import torch
 from .._lang import modes as _modes
 from .._lang import targets
 from ..errors import ContractViolation
-from . import memo
+from . import conditional, memo
 from . import registry as _registry
 from .callsite import find_call_site
 from .compile import BY_TOKEN, CompiledContract, Param, compile_contract
-from .violations import _Bound, _pins_strides, _values_switch, _violated, violation_from_raw
+from .violations import (
+    _actual,
+    _Bound,
+    _pins_strides,
+    _values_switch,
+    _violated,
+    violation_from_raw,
+)
 
 __all__ = ["make_guard", "params_of", "violation_from_raw", "check_call", "explain_call",
            "compiled_for"]
@@ -350,28 +357,40 @@ def compiled_for(contract: Any, params: Sequence[Param] | None = None) -> Compil
     return cc
 
 
-def check_call(cc: CompiledContract, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Raise ``ContractViolation`` if the call does not conform (mode is ignored)."""
-    __tracebackhide__ = True
-    exc = explain_call(cc, args, kwargs, sys._getframe(1))
-    if exc is not None:
-        raise exc
-
-
-def explain_call(cc: CompiledContract, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 frame: Any = None) -> ContractViolation | None:
-    """The ``ContractViolation`` of the first rule the call breaks (its call site found from
-    ``frame`` outwards, when given), or None: what ``check_call`` raises, for callers that
-    collect verdicts (``check-dump`` judges recorded calls with it).  ``TypeError`` when the
-    arguments do not bind to the checker's parameters."""
+def _raw(cc: CompiledContract, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The careful checker's verdict (a ``RawViolation`` or None); ``TypeError`` naming the
+    parameters when the arguments do not bind to them."""
     try:
-        raw = cc.check(*args, **kwargs)
+        return cc.check(*args, **kwargs)
     except TypeError as exc:
         raise TypeError(f"{cc.contract.op}: arguments do not match its parameters "
                         f"({', '.join(p.name for p in cc.params)}): {exc}") from None
+
+
+def check_call(cc: CompiledContract, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Raise ``ContractViolation`` if the call does not conform (mode is ignored)."""
+    __tracebackhide__ = True
+    raw = _raw(cc, args, kwargs)
+    if raw is None:
+        return
+    reading = None
+    verdict = conditional.judge(cc, args, kwargs)  # the op's readings disagree: as a guard does
+    if verdict is not None:
+        if verdict.decided is None:
+            if verdict.conditional:
+                conditional.warn_conditional(verdict, cc, _actual, sys._getframe(1), args, kwargs)
+            return
+        reading = conditional.reading_note(verdict)
+    site = find_call_site(sys._getframe(1))
+    raise violation_from_raw(raw, site, _Bound(cc, args, kwargs).get(raw.rule.partner), reading)
+
+
+def explain_call(cc: CompiledContract, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> ContractViolation | None:
+    """The ``ContractViolation`` of the first rule of ``cc`` the call breaks, or None, without
+    a call site and without the readings (a caller that judges them itself, as ``check-dump``
+    does on ``Resolution.judge``).  ``TypeError`` when the arguments do not bind."""
+    raw = _raw(cc, args, kwargs)
     if raw is None:
         return None
-    site = find_call_site(frame) if frame is not None else None
-    return violation_from_raw(raw, site, _Bound(cc, args, kwargs).get(raw.rule.partner))
-
-
+    return violation_from_raw(raw, None, _Bound(cc, args, kwargs).get(raw.rule.partner))

@@ -38,11 +38,13 @@ import torch
 
 from .._lang import modes
 from ..errors import ContractFixWarning, ContractViolation, ContractWarning
+from . import conditional
 from .callsite import find_call_site
 from .compile import BY_KEY, BY_TOKEN, FAST_BY_KEY, OP_BY_KEY
 from .violations import (
     NeedsValues,
     Repair,
+    _actual,
     _Bound,
     _record_and_message,
     _violated,
@@ -102,6 +104,11 @@ def _decide(key: int, mode: str, arg_metas: tuple[Any, ...], kw_metas: tuple[Any
         # what the rule read (a device, say).  Decide on the real tensors, eagerly (a graph
         # break on this call only), never by calling through unchecked.
         return ("eager",)
+    verdict = conditional.judge(cc, tuple(args), kwargs)  # readings that disagree: as in eager
+    if verdict is not None and verdict.decided is None:
+        if verdict.conditional:
+            conditional.warn_conditional(verdict, cc, _actual, sys._getframe(1), tuple(args), kwargs)
+        return ("call",)
     b = _Bound(cc, tuple(args), kwargs)
     if m is modes.FIX:
         try:
