@@ -184,6 +184,7 @@ def test_several_targets_name_the_one_that_rejects(capsys: Any, monkeypatch: Any
 
 # ----------------------------------------------------------------- binding and naming
 def _edit(src: Path, dest: Path, api: str, change: Any) -> Path:
+    """A copy of the rank folder ``src`` with ``change`` applied to its entry ``api``."""
     shutil.copytree(src, dest)
     p = dest / "dump.json"
     data = json.loads(p.read_text())
@@ -328,8 +329,27 @@ def test_record_from_a_golden_dump(capsys: Any, tmp_path: Path) -> None:
     assert unpermute.args["permuted_tokens"].rank == (2,)
     assert unpermute.targets == ("mindspeed.ops.npu_moe_token_unpermute.npu_moe_token_unpermute",)
     assert "msprobe dump" in (unpermute.source or "")
-    # the golden file judges the wrong run: fp32 probs drift from it
-    assert cli.main(["check-dump", str(WRONG), "--contracts", str(out), "--json", "-"]) == 1
+
+
+def test_a_golden_file_from_a_dump_flags_drift(capsys: Any, tmp_path: Path) -> None:
+    """Golden run: torch_npu's unpermute with bf16 probs.  On torch_npu 2.13 / CANN 8.5 the
+    shipped contract takes fp32 probs too; the golden file does not."""
+    golden_dump = tmp_path / "golden"
+    for rank in ("rank0", "rank1"):
+        def bf16_probs(entry: dict[str, Any]) -> None:
+            entry["input_args"][2]["dtype"] = "torch.bfloat16"
+
+        _edit(NPU / "step0" / rank, golden_dump / "step0" / rank,
+              "NPU.npu_moe_token_unpermute.0.forward", bf16_probs)
+    versions = ["--torch-npu", "2.13.0", "--cann", "8.5.0"]
+    golden = tmp_path / "golden.toml"
+    assert cli.main(["record", "--from-dump", str(golden_dump), "-o", str(golden), *versions]) == 0
+    assert "6 call(s) of 3 op(s) recorded" in capsys.readouterr().err
+    assert as_json(capsys, NPU, *versions)[0] == 0  # the shipped rules alone: fine
+    code, data = as_json(capsys, NPU, *versions, "--contracts", golden)
+    assert code == 1
+    assert [(f["op"], f["argument"], f["expected"]) for f in data["findings"]] == [
+        ("npu_moe_token_unpermute", "probs", "bfloat16")]
 
 
 def test_record_leaves_violating_calls_out(capsys: Any, tmp_path: Path) -> None:
