@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -95,7 +96,12 @@ def _cmd_record(ns: Any, load: Loader) -> int:
     from .dump_record import record_dump
 
     load(ns.contracts or ())
-    res = record_dump(ns.from_dump, ns.output, _env(ns), record_violations=ns.record_violations)
+    with warnings.catch_warnings(record=True) as seen:  # one line each, not warnings' format
+        warnings.simplefilter("always", RuntimeWarning)
+        res = record_dump(ns.from_dump, ns.output, _env(ns),
+                          record_violations=ns.record_violations)
+    for w in seen:
+        print(f"{w.message}", file=sys.stderr)
     total = sum(res.recorded.values())
     print(f"opcontracts record: {total} call(s) of {len(res.recorded)} op(s) recorded from "
           f"{ns.from_dump} into {res.path}" + (
