@@ -440,3 +440,23 @@ def test_a_job_without_ranks(capsys: Any, tmp_path: Path) -> None:
     code, data = as_json(capsys, tmp_path)
     assert code == 1
     assert [(f["step"], f["rank"]) for f in data["findings"]] == [(0, [])]
+
+
+def test_the_same_verdict_as_the_guard_on_the_live_call(npu: Any, capsys: Any) -> None:
+    """The call the dump recorded, made for real through the patched MindSpeed op in strict
+    mode, fails on the rule check-dump names, with the same expectation and the same got."""
+    import torch
+    from mindspeed.ops.npu_moe_token_unpermute import npu_moe_token_unpermute
+
+    import opcontracts
+
+    _, data = as_json(capsys, WRONG / "step0" / "rank0")
+    (f,) = data["findings"]
+    opcontracts.set_mode("strict")
+    tokens = torch.randn(8, 8).to(torch.bfloat16)
+    with pytest.raises(opcontracts.ContractViolation) as info:
+        npu_moe_token_unpermute(tokens, torch.arange(8, dtype=torch.int32),
+                                torch.rand(4, 2, dtype=torch.float32))
+    e = info.value
+    assert (e.op, e.arg, e.rule, e.expected, e.got) == (
+        f["op"], f["argument"], f["rule"], f["expected"], f["got"])
