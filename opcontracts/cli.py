@@ -503,6 +503,9 @@ def build_parser() -> argparse.ArgumentParser:
     from ._tools.probe_cli import add_parser as _add_probe_parser  # imports nothing until run
 
     _add_probe_parser(sub)
+    from ._tools.dump_cli import add_parser as _add_dump_parsers  # imports nothing until run
+
+    _add_dump_parsers(sub, _load_for_list)  # check-dump, record --from-dump
     return p
 
 

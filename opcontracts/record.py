@@ -27,6 +27,7 @@ installed; on, each guarded call costs the layer's dispatch and one pass over it
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -80,6 +81,8 @@ class Recorder(Observer):
         self.max_values = max_values
         self.watch = dict(watch or {})
         self._ops: dict[str, _Op] = {}
+        self.targets: dict[str, list[str]] = {}
+        """op -> targets for the written contracts, beside those the patch guards"""
         self._lock = threading.Lock()
         self._enabled = False
 
@@ -106,13 +109,21 @@ class Recorder(Observer):
     # ----------------------------------------------------------------- recording
     def begin(self, call: Call) -> Any:
         assert call.args is not None and call.kwargs is not None
-        names = layer.param_names(call.fn)
+        self.add(call.op, layer.param_names(call.fn), call.args, call.kwargs)
+        return None  # nothing to do after the call
+
+    def add(self, op: str, names: Sequence[str], args: Sequence[Any],
+            kwargs: Mapping[str, Any]) -> None:
+        """Record one call of ``op`` (``names``: its parameters in order, which the positional
+        ``args`` bind to): what every guarded call does, and what ``opcontracts record
+        --from-dump`` does for each call an msprobe dump holds (meta tensors in the recorded
+        dtypes and shapes)."""
         bound: dict[str, Any] = {}
-        for i, v in enumerate(call.args):
+        for i, v in enumerate(args):
             bound[names[i] if i < len(names) else f"args[{i}]"] = v
-        bound.update(call.kwargs)
+        bound.update(kwargs)
         with self._lock:
-            rec = self._ops.setdefault(call.op, _Op())
+            rec = self._ops.setdefault(op, _Op())
             rec.calls += 1
             for name in names:
                 if name not in rec.args:
@@ -124,7 +135,6 @@ class Recorder(Observer):
                     a = rec.args[name] = _Arg()
                     rec.order.append(name)
                 self._see(a, v)
-        return None  # nothing to do after the call
 
     def _see(self, a: _Arg, v: Any) -> None:
         a.passed += 1
@@ -156,11 +166,13 @@ class Recorder(Observer):
         with self._lock:
             return {op: r.calls for op, r in self._ops.items()}
 
-    def contracts(self, *, script: str | None = None) -> list[dict[str, Any]]:
-        """The recorded contracts as plain data (what ``write`` writes)."""
+    def contracts(self, *, script: str | None = None,
+                  origin: str | None = None) -> list[dict[str, Any]]:
+        """The recorded contracts as plain data (what ``write`` writes); ``origin`` says what
+        was recorded instead of ``opcontracts run --record: script SCRIPT``."""
         targets = self._targets()
-        source = (f"recorded by opcontracts run --record: script {script or '?'}, {utc_now()}, "
-                  f"{stack_text()}")
+        origin = origin or f"opcontracts run --record: script {script or '?'}"
+        source = f"recorded by {origin}, {utc_now()}, {stack_text()}"
         out = []
         with self._lock:
             for op in sorted(self._ops):
@@ -206,16 +218,20 @@ class Recorder(Observer):
                         out[rec.op].append(rec.target)
         for op, path in self.watch.items():
             out.setdefault(op, [path])
+        for op, paths in self.targets.items():
+            out.setdefault(op, list(paths))
         return out
 
-    def write(self, path: str | Path, *, script: str | None = None) -> Path:
+    def write(self, path: str | Path, *, script: str | None = None,
+              origin: str | None = None) -> Path:
         """Write the contract file (folders created); returns its path."""
         p = Path(path)
         if p.parent != Path(""):
             p.parent.mkdir(parents=True, exist_ok=True)
         calls = self.calls()
+        what = origin or f"`opcontracts run --record` from {script or '?'}"
         header = [
-            f"Golden run recorded by `opcontracts run --record` from {script or '?'} on "
+            f"Golden run recorded by {what} on "
             f"{utc_now()}: {sum(calls.values())} guarded call(s) of {len(calls)} op(s).",
             "Use it with OPCONTRACTS_CONTRACTS=<this file>: a later run flags every call whose "
             "dtypes, ranks or",
@@ -223,5 +239,6 @@ class Recorder(Observer):
             "keeps each contract",
             "next to the shipped one for the op (both apply, merged into the strictest reading).",
         ]
-        p.write_text(dumps_contracts(self.contracts(script=script), header), encoding="utf-8")
+        p.write_text(dumps_contracts(self.contracts(script=script, origin=origin), header),
+                     encoding="utf-8")
         return p

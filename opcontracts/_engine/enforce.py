@@ -30,6 +30,7 @@ import torch
 
 from .._lang import modes as _modes
 from .._lang import targets
+from ..errors import ContractViolation
 from . import conditional, memo
 from . import registry as _registry
 from .callsite import find_call_site
@@ -43,7 +44,8 @@ from .violations import (
     violation_from_raw,
 )
 
-__all__ = ["make_guard", "params_of", "violation_from_raw", "check_call", "compiled_for"]
+__all__ = ["make_guard", "params_of", "violation_from_raw", "check_call", "explain_call",
+           "compiled_for"]
 
 
 
@@ -355,14 +357,20 @@ def compiled_for(contract: Any, params: Sequence[Param] | None = None) -> Compil
     return cc
 
 
-def check_call(cc: CompiledContract, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Raise ``ContractViolation`` if the call does not conform (mode is ignored)."""
-    __tracebackhide__ = True
+def _raw(cc: CompiledContract, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The careful checker's verdict (a ``RawViolation`` or None); ``TypeError`` naming the
+    parameters when the arguments do not bind to them."""
     try:
-        raw = cc.check(*args, **kwargs)
+        return cc.check(*args, **kwargs)
     except TypeError as exc:
         raise TypeError(f"{cc.contract.op}: arguments do not match its parameters "
                         f"({', '.join(p.name for p in cc.params)}): {exc}") from None
+
+
+def check_call(cc: CompiledContract, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Raise ``ContractViolation`` if the call does not conform (mode is ignored)."""
+    __tracebackhide__ = True
+    raw = _raw(cc, args, kwargs)
     if raw is None:
         return
     reading = None
@@ -377,3 +385,12 @@ def check_call(cc: CompiledContract, args: tuple[Any, ...], kwargs: dict[str, An
     raise violation_from_raw(raw, site, _Bound(cc, args, kwargs).get(raw.rule.partner), reading)
 
 
+def explain_call(cc: CompiledContract, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> ContractViolation | None:
+    """The ``ContractViolation`` of the first rule of ``cc`` the call breaks, or None, without
+    a call site and without the readings (a caller that judges them itself, as ``check-dump``
+    does on ``Resolution.judge``).  ``TypeError`` when the arguments do not bind."""
+    raw = _raw(cc, args, kwargs)
+    if raw is None:
+        return None
+    return violation_from_raw(raw, None, _Bound(cc, args, kwargs).get(raw.rule.partner))
