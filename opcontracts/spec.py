@@ -171,9 +171,24 @@ class ValueRule(_Frozen):
     """the last value equals this"""
     sum: _Bound | None = None
     """the values sum to this"""
+    last_le: _Bound | None = None
+    """the last value is at most this (offsets that end inside a buffer: its valid prefix)"""
+    sum_le: _Bound | None = None
+    """the values sum to at most this (counts of a buffer's valid prefix)"""
+    skip: StrictInt | None = None
+    """entries equal to this are rows the kernel skips (``-1``): the other rules ignore them"""
+    duplicates_where_zero: str | None = None
+    """with ``permutation``: a value may repeat where this argument (same number of elements)
+    is 0 there, e.g. unpermute's sorted_indices where the probs are 0"""
     finite: StrictBool = False
 
-    _v = field_validator("lt", "last", "sum", mode="before")(_check_bound)
+    _v = field_validator("lt", "last", "sum", "last_le", "sum_le", mode="before")(_check_bound)
+
+    @model_validator(mode="after")
+    def _partner_needs_permutation(self) -> ValueRule:
+        if self.duplicates_where_zero is not None and not self.permutation:
+            raise ValueError("duplicates_where_zero relaxes permutation: set permutation = true")
+        return self
 
 
 class DimBound(_Frozen):
@@ -536,6 +551,11 @@ class Contract(_Frozen):
                                 f"argument of this contract (arguments: {', '.join(self.args)})"))
                 elif partner == name:
                     out.append((f"args.{name}.{field}", "names the argument itself"))
+            partner = arg.values.duplicates_where_zero if arg.values is not None else None
+            if partner is not None and (partner not in self.args or partner == name):
+                out.append((f"args.{name}.values.duplicates_where_zero",
+                            f"names {partner!r}, which is not another argument of this contract "
+                            f"(arguments: {', '.join(self.args)})"))
             for other in arg.dtype_if_present or {}:
                 if other not in self.args or other == name:
                     out.append((f"args.{name}.dtype_if_present.{other}",
