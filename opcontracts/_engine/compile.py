@@ -484,9 +484,14 @@ class _Gen:
         condition's parameters cannot tell, and skips the case; rules for arguments it does not
         take are skipped, as for the contract's own optional rules)."""
         params = {p.name: p for p in self.params}
-        if any(k not in params for k in case.if_):
+        if any(k not in params for k in case.condition_names):
             return
-        conds = []
+        conds = [f"({k} is _oc_M or {k} is None)" for k in case.if_none]
+        for k, sizes in case.if_shape.items():
+            dims = " and ".join(f"{k}.shape[{i}] == {s}" for i, s in enumerate(sizes)
+                                if s is not None)
+            conds.append(f"(isinstance({k}, _oc_T) and {k}.dim() == {len(sizes)}"
+                         + (f" and {dims})" if dims else ")"))
         for k, vals in case.if_.items():
             p = params[k]
             value = f"({k} if {k} is not _oc_M else {self.const(p.default)})" if p.has_default \
