@@ -403,7 +403,7 @@ def test_shipped_unpermute_depends_on_versions(shipped: None) -> None:
         assert c.args["probs"].dtype == probs, pins
     # before torch_npu 2.5.1.post1 the op does not exist: no table applies
     opcontracts.set_versions(torch_npu="2.5.1", cann="8.0.0")
-    assert _registry.resolve(op) is None
+    assert registry.resolve(op) is None
     # the chip-specific K <= 512 table joins when the SoC is an A2/A3 or unknown, not otherwise
     opcontracts.set_versions(torch_npu="2.13.0", cann="8.0.0", soc="Ascend910B3")
     assert registry.get_contract(op).args["probs"].dims is not None
