@@ -236,3 +236,71 @@ def test_caught_share(capsys: pytest.CaptureFixture[str]) -> None:
               f"{len(caught)} of {len(BUGS)} reported bugs caught ({share:.0%})")
     assert not false_alarms
     assert share >= FLOOR, f"caught share {share:.0%} fell below {FLOOR:.0%}"
+
+
+# --------------------------------------------------------------------------- the rules it needed
+def test_value_rules_for_what_kernels_tolerate() -> None:
+    """The value rules the corpus needed (issue 23): a valid prefix (``sum_le`` / ``last_le``),
+    rows a kernel skips (``skip``), duplicates weighted by zero (``duplicates_where_zero``)."""
+    from opcontracts._lang.values import check_values
+    from opcontracts.spec import ValueRule
+
+    t = torch.tensor
+    counts = ValueRule(nonnegative=True, sum_le="M")
+    assert check_values(counts, t([1, 0, 2]), {"M": 8}) is None
+    assert "more than M (8)" in (check_values(counts, t([5, 4]), {"M": 8}) or "")
+    offsets = ValueRule(nondecreasing=True, last_le="M")
+    assert check_values(offsets, t([2, 5]), {"M": 8}) is None
+    assert "past M (8)" in (check_values(offsets, t([2, 9]), {"M": 8}) or "")
+    skipping = ValueRule(permutation=True, skip=-1)
+    assert check_values(skipping, t([0, 2, -1, 1]), {}) is None
+    assert "occurs more than once" in (check_values(skipping, t([0, 1, 1, -1]), {}) or "")
+    weighted = ValueRule(permutation=True, skip=-1, duplicates_where_zero="probs")
+    probs = t([[0.5, 0.0], [0.5, 0.0]])
+    assert check_values(weighted, t([0, 1, 2, 1]), {}, probs) is None
+    bad = check_values(weighted, t([0, 1, 1, 2]), {}, t([[0.5, 0.5], [0.5, 0.0]]))
+    assert bad is not None and "where probs is not 0" in bad
+    assert check_values(ValueRule(permutation=True), t([0, 1, 1, 2]), {}) is not None
+
+
+def test_cases_chosen_by_absence_and_by_shape() -> None:
+    """``if_none`` (an optional tensor left out: no page attention) and ``if_shape`` (a mask of
+    a given shape) choose a case like ``if`` does."""
+    from opcontracts import Arg, Contract
+    from opcontracts.spec import Case
+
+    c = Contract("t_attn", {"q": Arg(dtype=["bf16", "fp16"]), "table": Arg(optional=True),
+                            "mask": Arg(optional=True)},
+                 signature=["q", "table", "mask"],
+                 cases=[Case.model_validate({"if_none": ["table"], "args": {"q": {"dtype": "bf16"}}}),
+                        Case.model_validate({"if_shape": {"mask": "_ 1 1 _"},
+                                             "args": {"mask": {"shape": "_ 1 1 S",
+                                                               "dims": {"S": {"le": 512}}}}})])
+    fp16 = torch.zeros(2, dtype=torch.float16)
+    opcontracts.check(c, fp16, torch.zeros(1))  # with a table: fp16 is fine
+    with pytest.raises(ContractViolation, match="when table is None"):
+        opcontracts.check(c, fp16)
+    opcontracts.check(c, fp16.bfloat16(), None, torch.zeros(1, 1, 4, 600))  # not (_, 1, 1, _)
+    with pytest.raises(ContractViolation, match=r"when mask has shape \(_ 1 1 _\)"):
+        opcontracts.check(c, fp16.bfloat16(), None, torch.zeros(1, 1, 1, 600))
+
+
+def test_the_new_fields_are_checked_with_their_location(tmp_path: Path) -> None:
+    from opcontracts import ContractFileError
+    from opcontracts.spec import load_contracts
+
+    def problem(text: str) -> str:
+        bad = tmp_path / "bad.toml"
+        bad.write_text('[[contract]]\nop = "t"\nsignature = ["x", "p"]\n' + text, encoding="utf-8")
+        with pytest.raises(ContractFileError) as info:
+            load_contracts(bad)
+        assert "bad.toml" in str(info.value)
+        return str(info.value)
+
+    assert "args.x.values.duplicates_where_zero" in problem(
+        '[contract.args.x]\nvalues = {permutation = true, duplicates_where_zero = "w"}\n')
+    assert "cases[0].if_shape" in problem(
+        '[contract.args.x]\nrank = 3\n[[contract.cases]]\nif_shape = {x = "_ one _"}\n'
+        '[contract.cases.args.x]\nrank = 3\n')
+    assert "needs a condition" in problem(
+        '[contract.args.x]\nrank = 3\n[[contract.cases]]\n[contract.cases.args.x]\nrank = 3\n')

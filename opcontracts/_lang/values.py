@@ -50,30 +50,17 @@ def value_checks_enabled() -> bool:
     return ENABLED[0]
 
 
+_FLAGS = (("permutation", "a permutation of [0, numel)"), ("nonnegative", "non-negative"),
+          ("nondecreasing", "non-decreasing"), ("increasing", "strictly increasing"))
+_SETTINGS = (("lt", "< {}"), ("last", "last value == {}"), ("sum", "sum == {}"),
+             ("last_le", "last value <= {}"), ("sum_le", "sum <= {}"), ("skip", "{} rows skipped"),
+             ("duplicates_where_zero", "repeats only where {} is 0"))
+
+
 def describe(rule: ValueRule) -> str:
-    parts = []
-    if rule.permutation:
-        parts.append("a permutation of [0, numel)")
-    if rule.nonnegative:
-        parts.append("non-negative")
-    if rule.nondecreasing:
-        parts.append("non-decreasing")
-    if rule.increasing:
-        parts.append("strictly increasing")
-    if rule.lt is not None:
-        parts.append(f"< {rule.lt}")
-    if rule.last is not None:
-        parts.append(f"last value == {rule.last}")
-    if rule.sum is not None:
-        parts.append(f"sum == {rule.sum}")
-    if rule.last_le is not None:
-        parts.append(f"last value <= {rule.last_le}")
-    if rule.sum_le is not None:
-        parts.append(f"sum <= {rule.sum_le}")
-    if rule.skip is not None:
-        parts.append(f"{rule.skip} rows skipped")
-    if rule.duplicates_where_zero is not None:
-        parts.append(f"repeats only where {rule.duplicates_where_zero} is 0")
+    parts = [text for name, text in _FLAGS if getattr(rule, name)]
+    parts += [text.format(getattr(rule, name)) for name, text in _SETTINGS
+              if getattr(rule, name) is not None]
     if rule.finite:
         parts.append("finite")
     return ", ".join(parts) or "(no value rule)"
