@@ -171,9 +171,24 @@ class ValueRule(_Frozen):
     """the last value equals this"""
     sum: _Bound | None = None
     """the values sum to this"""
+    last_le: _Bound | None = None
+    """the last value is at most this (offsets that end inside a buffer: its valid prefix)"""
+    sum_le: _Bound | None = None
+    """the values sum to at most this (counts of a buffer's valid prefix)"""
+    skip: StrictInt | None = None
+    """entries equal to this are rows the kernel skips (``-1``): the other rules ignore them"""
+    duplicates_where_zero: str | None = None
+    """with ``permutation``: a value may repeat where this argument (same number of elements)
+    is 0 there, e.g. unpermute's sorted_indices where the probs are 0"""
     finite: StrictBool = False
 
-    _v = field_validator("lt", "last", "sum", mode="before")(_check_bound)
+    _v = field_validator("lt", "last", "sum", "last_le", "sum_le", mode="before")(_check_bound)
+
+    @model_validator(mode="after")
+    def _partner_needs_permutation(self) -> ValueRule:
+        if self.duplicates_where_zero is not None and not self.permutation:
+            raise ValueError("duplicates_where_zero relaxes permutation: set permutation = true")
+        return self
 
 
 class DimBound(_Frozen):
@@ -425,10 +440,17 @@ class Case(_Frozen):
 
     ``if`` maps argument names to a value or a list of values (any of them); an argument left
     out counts as its default when the target's signature or schema gives one (else the case
-    does not apply).  Every rule of ``args`` then holds too, on top of the contract's own;
-    ``optional = false`` there means the case requires the argument."""
+    does not apply).  ``if_none`` lists arguments that must be left out or ``None`` (a kernel
+    mode chosen by an optional tensor's absence: no ``block_table``, no page attention);
+    ``if_shape`` maps tensor arguments to a shape pattern of sizes and ``_`` that their shape
+    must match (``{atten_mask = "_ 1 1 _"}``).  Every rule of ``args`` then holds too, on top
+    of the contract's own; ``optional = false`` there means the case requires the argument."""
 
-    if_: dict[str, Any] = Field(alias="if")
+    if_: dict[str, Any] = Field(default_factory=dict, alias="if")
+    if_none: tuple[str, ...] = ()
+    """arguments the case needs left out or ``None``"""
+    if_shape: dict[str, tuple[int | None, ...]] = Field(default_factory=dict)
+    """argument -> the sizes its shape must have (``None`` for ``_``: any size)"""
     args: dict[str, Arg]
     source: str | None = None
     layer: Layer | None = None
@@ -452,12 +474,48 @@ class Case(_Frozen):
             out[str(k)] = tuple(items)
         return out
 
+    @field_validator("if_shape", mode="before")
+    @classmethod
+    def _shape_cond(cls, v: Any) -> Any:
+        if not isinstance(v, Mapping):
+            raise ValueError("expected a table such as {atten_mask = '_ 1 1 _'}, got " + _show(v))
+        out: dict[str, tuple[int | None, ...]] = {}
+        for k, pattern in v.items():
+            if not isinstance(pattern, str) or not pattern.split():
+                raise ValueError(f"if_shape.{k}: a shape pattern of sizes and '_', got "
+                                 f"{_show(pattern)}")
+            sizes: list[int | None] = []
+            for tok in pattern.split():
+                if tok == "_":
+                    sizes.append(None)
+                elif tok.isdigit():
+                    sizes.append(int(tok))
+                else:
+                    raise ValueError(f"if_shape.{k}: {tok!r} is neither a size nor '_' "
+                                     f"(in {pattern!r})")
+            out[str(k)] = tuple(sizes)
+        return out
+
+    @model_validator(mode="after")
+    def _some_condition(self) -> Case:
+        if not (self.if_ or self.if_none or self.if_shape):
+            raise ValueError("a case needs a condition: if, if_none or if_shape")
+        return self
+
+    @property
+    def condition_names(self) -> tuple[str, ...]:
+        """Every argument the condition reads."""
+        return tuple(dict.fromkeys([*self.if_, *self.if_none, *self.if_shape]))
+
     @property
     def condition_text(self) -> str:
         parts = []
         for k, vals in self.if_.items():
             parts.append(f"{k} = {vals[0]!r}" if len(vals) == 1
                          else f"{k} in ({', '.join(map(repr, vals))})")
+        parts += [f"{k} is None" for k in self.if_none]
+        parts += [f"{k} has shape ({' '.join('_' if s is None else str(s) for s in sizes)})"
+                  for k, sizes in self.if_shape.items()]
         return " and ".join(parts)
 
 
@@ -536,6 +594,11 @@ class Contract(_Frozen):
                                 f"argument of this contract (arguments: {', '.join(self.args)})"))
                 elif partner == name:
                     out.append((f"args.{name}.{field}", "names the argument itself"))
+            partner = arg.values.duplicates_where_zero if arg.values is not None else None
+            if partner is not None and (partner not in self.args or partner == name):
+                out.append((f"args.{name}.values.duplicates_where_zero",
+                            f"names {partner!r}, which is not another argument of this contract "
+                            f"(arguments: {', '.join(self.args)})"))
             for other in arg.dtype_if_present or {}:
                 if other not in self.args or other == name:
                     out.append((f"args.{name}.dtype_if_present.{other}",
@@ -547,7 +610,7 @@ class Contract(_Frozen):
                 out.append(("signature", f"lacks the arguments {missing}"))
         known = set(self.args) | set(self.signature or ())
         for i, case in enumerate(self.cases):
-            for k in case.if_:
+            for k in case.condition_names:
                 if k not in known:
                     out.append((f"cases.{i}.if.{k}", f"names {k!r}, which is neither an argument "
                                 "of this contract nor in its signature"))

@@ -285,6 +285,29 @@ for _c in SHIPPED:
     if _c.op not in BUILDERS and _ref is not None and _ref.example is not None:
         BUILDERS[_c.op] = _example(_c.op)
 
+def _narrowed(base: Callable[[Contract], Call]) -> Callable[[Contract], Call]:
+    """The example, narrowed to what a chip's or a CANN range's own table wants (issue 23):
+    CANN < 8.3.RC1's router takes exactly 256 experts, the 310P's init routing fp16 x."""
+    def build(c: Contract) -> Call:
+        args, kwargs = base(c)
+        x = c.args.get("x")
+        if x is not None and x.dims and "E" in x.dims and x.dims["E"].ge is not None:
+            e, g = x.dims["E"].ge, _g()
+            logits = torch.randn(args[0].size(0), e, generator=g).to(args[0].dtype)
+            args = (logits, *args[1:])
+            kwargs = {**kwargs, "bias": (torch.randn(e, generator=g) / 8).to(logits.dtype),
+                      "group_count": 8, "k_group": 4}
+        if x is not None and x.dtype is not None and "bfloat16" not in x.dtype \
+                and args[0].dtype == torch.bfloat16:
+            args = (args[0].to(torch.float16), *args[1:])
+        return args, kwargs
+    return build
+
+
+for _op in ("npu_moe_gating_top_k", "npu_moe_init_routing_v2"):
+    BUILDERS[_op] = _narrowed(BUILDERS[_op])
+
+
 def _reference(op: str) -> Callable[..., Any]:
     """The op's one reference (``opcontracts.reference``: the emulation's kernels are the same)."""
     ref = opcontracts.reference.get(op)
@@ -756,10 +779,10 @@ def test_cli_list_shows_what_applies() -> None:
     assert "npu_moe_token_unpermute\n" in out and "mindspeed.npu_gmm\n" in out
     assert "targets: torch_npu.npu_moe_token_unpermute" in out
     assert "probs            bf16/fp16/fp32, (N K), optional" in out
-    assert "[applies: torch_npu 2.13.0 meets >=2.13; cann 8.0.0 meets >=8.0.0]" in out
-    assert ("source:  torch_npu 2.7.1.post11, 2.9.0.post9, 2.10.0.post7, 2.11.0.post3, "
-            "2.12.0.post3, 2.13.0 and 2.14.0 wheels (byte-identical docs), "
-            "torch_npu/_op_plugin_docs.py (npu_moe_token_unpermute)") in out
+    # the pass-through ops are keyed on CANN (issue 23): torch_npu only says the op exists
+    assert "[applies: torch_npu 2.13.0 meets >=2.5.1.post1; cann 8.0.0 meets >=8.0.0]" in out
+    assert ("Ascend/op-plugin op_plugin/config/op_plugin_functions.yaml (7.1.0 .. master: exec: "
+            "aclnnMoeTokenUnpermute, a bare aclnn call)") in out
     assert "does not apply" not in out
     assert "(--all shows them and why)" in out
 
@@ -768,9 +791,8 @@ def test_cli_list_all_explains_what_does_not_apply() -> None:
     opcontracts.set_versions(torch_npu="2.13.0", cann="8.0.RC3", soc="Ascend950")
     out = _cli("list", "--all")
     assert "[does not apply: needs cann >=8.0.0, found 8.0.RC3 (= 8.0rc3)]" in out
-    # the bf16 tables speak for the releases that ship the old docs (the wheels say which)
-    assert "[does not apply: needs torch_npu >=2.5.1.post1,<2.7.1.post11 || " in out
-    assert "|| >=2.12.1,<2.13, found 2.13.0]" in out
+    # the chip tables of issue 23 say which chip they speak for
+    assert "[does not apply: needs soc Ascend310P, found Ascend950]" in out
     assert "[does not apply: needs soc Ascend910B or Ascend910_93, found Ascend950]" in out
     assert "[applies: torch_npu 2.13.0 meets >=2.5.1.post1; cann 8.0.RC3 (= 8.0rc3) meets <8.0.0]" in out
     shown = out.count("\n  [")

@@ -46,6 +46,16 @@ def _experts(n: int = N, k: int = K, e: int = E, seed: int = 0) -> torch.Tensor:
     return torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)]).to(I32)
 
 
+@pytest.fixture(autouse=True)
+def _a2_stack() -> Any:
+    """The stack vllm-ascend's Atlas A2 images pin (CANN 9.x): the CANN- and chip-keyed tables
+    (the 310P's, CANN < 8.3.RC1's 256-expert router) are other readings, which the corpus in
+    tests/realcode/ checks under their own stacks."""
+    prev = opcontracts.set_versions(cann="9.0.0", soc="Ascend910B3")
+    yield
+    opcontracts.set_versions(**prev)
+
+
 def _violation(fn: Any, *args: Any, **kwargs: Any) -> ContractViolation:
     with opcontracts.mode("strict"), pytest.raises(ContractViolation) as info:
         fn(*args, **kwargs)
@@ -181,6 +191,24 @@ def _init_args(**change: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     return (kw.pop("x"), kw.pop("expert_idx")), kw
 
 
+def test_init_routing_v2_runs_int8_tokens_with_x_dtype(npu: Any) -> None:
+    """vllm-ascend's W8A8 All2AllV dispatch (token_dispatcher.py:701, main): int8 tokens after
+    the all-to-all, their (R,) fp32 dynamic scales, (R, 1) local expert ids, x_dtype int8; the
+    emulation used to raise "x_dtype is not emulated" (issue 23)."""
+    r, local = 6, 2
+    x = torch.randint(-100, 100, (r, H), generator=_g(2)).to(I8)
+    ids = torch.tensor([[1], [0], [1], [0], [0], [1]], dtype=I32)
+    scale = torch.rand(r, generator=_g(3))
+    with opcontracts.mode("strict"):
+        ex, row_idx, counts, ex_scale = npu.npu_moe_init_routing_v2(
+            x, ids, scale=scale, expert_num=E, expert_tokens_num_flag=True,
+            active_expert_range=[0, local], x_dtype=I8)
+    order = torch.argsort(ids.reshape(-1), stable=True)
+    assert ex.dtype == I8 and torch.equal(ex, x[order])
+    assert counts.tolist() == [3, 6]  # expert_tokens_num_type left at 0: the running sum
+    torch.testing.assert_close(ex_scale, scale[order])
+
+
 def test_init_routing_v2_sorts_by_expert_and_round_trips(npu: Any) -> None:
     args, kw = _init_args()
     x, ids = args
@@ -244,7 +272,7 @@ INIT_RULES = [
     ({"expert_num": 0}, "expert_num", "bound"),
     ({"expert_num": 10241}, "expert_num", "bound"),
     ({"drop_pad_mode": 1}, "drop_pad_mode", "allowed"),
-    ({"expert_tokens_num_type": 0}, "expert_tokens_num_type", "allowed"),
+    ({"expert_tokens_num_type": 3}, "expert_tokens_num_type", "allowed"),
     ({"expert_tokens_num_flag": False}, "expert_tokens_num_flag", "allowed"),
     ({"quant_mode": 0}, "quant_mode", "allowed"),  # static quantisation: not supported
     ({"row_idx_type": 2}, "row_idx_type", "allowed"),
@@ -325,9 +353,42 @@ def test_dispatch_dynamic_quantisation_dequantises_back(npu: Any) -> None:
     torch.testing.assert_close(q.float() * dyn.unsqueeze(1), rows, atol=dyn.max().item(), rtol=0)
 
 
-def test_the_emulation_runs_one_rank_only(npu: Any) -> None:
-    with pytest.raises(NotImplementedError, match="ep_world_size 1"):
-        npu.npu_moe_distribute_dispatch(**_dispatch_kwargs(ep_world_size=16, ep_rank_id=3))
+def test_dispatch_and_combine_at_ep_world_size_16_compute_the_simulated_world(npu: Any) -> None:
+    """vllm-ascend's MC2 path at EP 16 (issue 23): a world of 16 ranks that each hold this
+    shard.  Rank 3 owns experts [6, 8) of 32; it receives each of its pairs once per source
+    rank, with the meta kernel's shapes; combine adds the local experts' weighted rows."""
+    w, rank, experts = 16, 3, 32
+    ids = torch.tensor([[6, 0], [7, 6], [1, 2], [6, 31]], dtype=I32)
+    kw = _dispatch_kwargs(ep_world_size=w, ep_rank_id=rank, moe_expert_num=experts,
+                          expert_ids=ids)
+    with opcontracts.mode("strict"):
+        expand_x, dyn, expand_idx, token_nums, ep_recv, tp_recv, expand_scales = \
+            npu.npu_moe_distribute_dispatch(**kw)
+    rows = N * w * min(experts // w, K)  # global_bs 0: BS * ep_world_size
+    assert expand_x.shape == (rows, H) and expand_scales.shape == (rows,)
+    assert token_nums.tolist() == [3 * w, 1 * w]  # experts 6 and 7, from every rank
+    assert ep_recv.numel() == experts + N * w * 2 * K * (w // 8)
+    x = kw["x"]
+    block6 = torch.stack([x[0], x[1], x[3]])  # the pairs of expert 6, in order
+    torch.testing.assert_close(expand_x[:3], block6)  # source rank 0's block
+    torch.testing.assert_close(expand_x[3 * (w - 1):3 * w], block6)  # source rank 15's
+    torch.testing.assert_close(expand_x[3 * w], x[1])  # expert 7, source rank 0
+    assert not expand_x[4 * w:].any()  # past the valid rows
+    with opcontracts.mode("strict"):
+        out = npu.npu_moe_distribute_combine(
+            expand_x=expand_x, expert_ids=ids, expand_idx=expand_idx, ep_send_counts=ep_recv,
+            expert_scales=kw["expert_scales"], group_ep="ep", ep_world_size=w,
+            ep_rank_id=rank, moe_expert_num=experts, expand_scales=expand_scales)
+    local = ((ids >= 6) & (ids < 8)).to(FP32) * kw["expert_scales"]
+    expected = (local.unsqueeze(-1) * x.float().unsqueeze(1)).sum(1)
+    torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
+
+
+def test_the_simulated_world_refuses_what_it_does_not_compute(npu: Any) -> None:
+    with pytest.raises(NotImplementedError, match="split evenly"):
+        npu.npu_moe_distribute_dispatch(**_dispatch_kwargs(ep_world_size=3, ep_rank_id=1))
+    with pytest.raises(NotImplementedError, match="shared-expert"):
+        npu.npu_moe_distribute_dispatch(**_dispatch_kwargs(shared_expert_rank_num=1))
 
 
 DISPATCH_RULES = [

@@ -379,28 +379,31 @@ def shipped() -> Iterator[None]:
 
 
 def test_shipped_unpermute_depends_on_versions(shipped: None) -> None:
-    """The incident's op: bf16 only unless torch_npu >= 2.13 AND CANN >= 8.0.0 are known."""
+    """The incident's op: op-plugin hands it straight to aclnnMoeTokenUnpermute, so CANN
+    decides (issue 23): bf16 only unless CANN >= 8.0.0 is known, whatever docstring the
+    torch_npu release bundles; torch_npu only says whether the op exists (2.5.1.post1 on)."""
     op = "npu_moe_token_unpermute"
+    wide = ("bfloat16", "float16", "float32")
     cases = [
         ({}, ("bfloat16",)),
         ({"torch_npu": "2.13.0"}, ("bfloat16",)),
-        ({"torch_npu": "2.13.0", "cann": "8.0.0"}, ("bfloat16", "float16", "float32")),
+        ({"torch_npu": "2.13.0", "cann": "8.0.0"}, wide),
         ({"torch_npu": "2.13.0", "cann": "8.0.RC3"}, ("bfloat16",)),
-        ({"torch_npu": "2.7.1", "cann": "8.0.0"}, ("bfloat16",)),
-        # the wheels, not the version numbers, say which doc a release ships: these post
-        # releases ship the 2.13 docs, the releases after them in their lines the old ones
-        ({"torch_npu": "2.7.1.post11", "cann": "8.0.0"}, ("bfloat16", "float16", "float32")),
-        ({"torch_npu": "2.9.0.post9", "cann": "8.0.0"}, ("bfloat16", "float16", "float32")),
-        ({"torch_npu": "2.12.0.post3", "cann": "8.0.0"}, ("bfloat16", "float16", "float32")),
-        ({"torch_npu": "2.7.1.post10", "cann": "8.0.0"}, ("bfloat16",)),
-        ({"torch_npu": "2.9.1", "cann": "8.0.0"}, ("bfloat16",)),
-        ({"torch_npu": "2.12.0", "cann": "8.0.0"}, ("bfloat16",)),
+        # releases whose bundled doc is the old bf16 text: the kernel of CANN >= 8.0.0 decides
+        ({"torch_npu": "2.7.1", "cann": "8.0.0"}, wide),
+        ({"torch_npu": "2.7.1.post10", "cann": "8.0.0"}, wide),
+        ({"torch_npu": "2.9.1", "cann": "9.0.0"}, wide),
+        ({"torch_npu": "2.10.0.post4", "cann": "9.1.0"}, wide),
+        ({"torch_npu": "2.12.0", "cann": "8.0.0"}, wide),
         ({"torch_npu": "2.12.0.post3", "cann": "8.0.RC3"}, ("bfloat16",)),
     ]
     for pins, probs in cases:
         opcontracts.set_versions(**{"torch_npu": None, "cann": None, **pins})
         c = registry.get_contract(op)
         assert c.args["probs"].dtype == probs, pins
+    # before torch_npu 2.5.1.post1 the op does not exist: no table applies
+    opcontracts.set_versions(torch_npu="2.5.1", cann="8.0.0")
+    assert registry.resolve(op) is None
     # the chip-specific K <= 512 table joins when the SoC is an A2/A3 or unknown, not otherwise
     opcontracts.set_versions(torch_npu="2.13.0", cann="8.0.0", soc="Ascend910B3")
     assert registry.get_contract(op).args["probs"].dims is not None

@@ -269,9 +269,11 @@ class _Gen:
         for i, sh in enumerate(shapes):
             kw = "if" if i == 0 else "elif"
             self.emit(ind, f"{kw} _oc_r == {sh.fixed_rank}:")
-            saved = set(self.bound)
+            saved, before = set(self.bound), len(self.lines)
             self.one_shape(ind + 1, arg, spec, sh, val, idx, False, check_rank=False,
                            expected_all=expected)
+            if len(self.lines) == before:  # an alternative of wildcards ("_ _"): its rank is all
+                self.emit(ind + 1, "pass")
             self.bound = saved
         self.emit(ind, f"else: {self.fail(rid_rank, val, idx)}")
 
@@ -372,7 +374,10 @@ class _Gen:
                 self.deferred.append(("if _oc_VALUES[0]: return False", 1))
                 return
             self.deferred.append((f"if _oc_VALUES[0] and isinstance({val}, _oc_T):", 1))
-            self.deferred.append((f"_oc_vr = _oc_vc({rid}, {val}, __BINDINGS__)", 2))
+            partner = spec.values.duplicates_where_zero
+            other = "None" if partner is None or partner not in self.pnames else \
+                f"(None if {partner} is _oc_M else {partner})"
+            self.deferred.append((f"_oc_vr = _oc_vc({rid}, {val}, __BINDINGS__, {other})", 2))
             self.deferred.append(("if _oc_vr is not None: return _oc_V(" + str(rid) + f", {val}, __BINDINGS__, None, _oc_vr)", 2))
 
     def arg_code(self, arg: str, spec: Arg) -> None:
@@ -479,9 +484,14 @@ class _Gen:
         condition's parameters cannot tell, and skips the case; rules for arguments it does not
         take are skipped, as for the contract's own optional rules)."""
         params = {p.name: p for p in self.params}
-        if any(k not in params for k in case.if_):
+        if any(k not in params for k in case.condition_names):
             return
-        conds = []
+        conds = [f"({k} is _oc_M or {k} is None)" for k in case.if_none]
+        for k, sizes in case.if_shape.items():
+            dims = " and ".join(f"{k}.shape[{i}] == {s}" for i, s in enumerate(sizes)
+                                if s is not None)
+            conds.append(f"(isinstance({k}, _oc_T) and {k}.dim() == {len(sizes)}"
+                         + (f" and {dims})" if dims else ")"))
         for k, vals in case.if_.items():
             p = params[k]
             value = f"({k} if {k} is not _oc_M else {self.const(p.default)})" if p.has_default \
@@ -575,9 +585,10 @@ class _Gen:
                                 {k: v for k, v in bindings.items() if v is not _UNBOUND},
                                 index, note)
 
-        def _oc_vc(rid: int, t: torch.Tensor, bindings: dict[str, Any]) -> str | None:
+        def _oc_vc(rid: int, t: torch.Tensor, bindings: dict[str, Any],
+                   partner: Any = None) -> str | None:
             b = {k: v for k, v in bindings.items() if v is not _UNBOUND}
-            return _values.check_values(rules[rid].detail, t, b)
+            return _values.check_values(rules[rid].detail, t, b, partner)
 
         self.ns["_oc_V"] = _oc_V
         self.ns["_oc_vc"] = _oc_vc

@@ -4,7 +4,8 @@
 
 Schemas are torch_npu 2.14.0's (the wheel digest).  None of these ops has autograd in torch_npu
 (they serve, they are not trained through), so none has a backward here.  The dispatch /
-combine pair runs at ``ep_world_size`` 1 (one process): see the reference module.
+combine pair is computed as a simulated world (every rank holding this process's shard): see
+the reference module.
 
 Dtypes per tensor argument are what the sources document, the dtype the kernel assumes first;
 every profile reads them alike (no source narrows them).  Arguments the kernel does not read in
@@ -85,16 +86,18 @@ def _dispatch_fake(
     shared_expert_num: int = 1, shared_expert_rank_num: int = 0, quant_mode: int = 0,
     global_bs: int = 0, expert_token_nums_type: int = 1,
 ) -> tuple[torch.Tensor, ...]:
-    ref.one_rank("npu_moe_distribute_dispatch", ep_world_size, tp_world_size,
-                 shared_expert_rank_num)
+    _, local = ref.world("npu_moe_distribute_dispatch", ep_world_size, ep_rank_id,
+                         moe_expert_num, tp_world_size, shared_expert_rank_num)
     if quant_mode not in (0, 2) or (scales is not None and quant_mode == 0):
         raise NotImplementedError("npu_moe_distribute_dispatch: mode not emulated")
     bs, topk = expert_ids.shape
-    rows = ref.dispatch_rows(bs, topk, moe_expert_num, global_bs)
+    rows = ref.dispatch_rows(bs, topk, moe_expert_num, global_bs, ep_world_size)
+    n_recv = ref.recv_counts_len(bs, topk, moe_expert_num, global_bs, ep_world_size,
+                                 expert_scales is not None)
     out = x.dtype if quant_mode == 0 else torch.int8
     return (x.new_empty((rows, x.size(1)), dtype=out), x.new_empty((rows,), dtype=_F32),
-            x.new_empty((bs * topk,), dtype=_I32), x.new_empty((moe_expert_num,), dtype=_I64),
-            x.new_empty((moe_expert_num,), dtype=_I32), x.new_empty((tp_world_size,), dtype=_I32),
+            x.new_empty((bs * topk,), dtype=_I32), x.new_empty((local,), dtype=_I64),
+            x.new_empty((n_recv,), dtype=_I32), x.new_empty((tp_world_size,), dtype=_I32),
             x.new_empty((rows if expert_scales is not None else 0,), dtype=_F32))
 
 
@@ -110,8 +113,8 @@ def _combine_fake(
     shared_expert_rank_num: int = 0, global_bs: int = 0, out_dtype: int = 0,
     comm_quant_mode: int = 0, group_list_type: int = 0,
 ) -> torch.Tensor:
-    ref.one_rank("npu_moe_distribute_combine", ep_world_size, tp_world_size,
-                 shared_expert_rank_num)
+    ref.world("npu_moe_distribute_combine", ep_world_size, ep_rank_id, moe_expert_num,
+              tp_world_size, shared_expert_rank_num)
     if not expand_x.is_floating_point():
         raise NotImplementedError("npu_moe_distribute_combine: an int32 expand_x is not emulated")
     return expand_x.new_empty((expert_ids.size(0), expand_x.size(1)))

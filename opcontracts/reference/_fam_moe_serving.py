@@ -7,10 +7,15 @@ appends them).
 * ``npu_moe_init_routing_v2``: tokens sorted by expert, with the index, count and scale outputs
   the grouped matmul and ``npu_moe_finalize_routing`` / ``npu_moe_token_unpermute`` consume;
 * ``npu_moe_distribute_dispatch`` / ``npu_moe_distribute_combine``: the expert-parallel
-  all-to-all pair.  The emulation is one process, so these run at ``ep_world_size`` 1 (one
-  rank, no tensor-parallel domain, no shared-expert ranks): dispatch is then the local sort of
-  the tokens by expert (optionally quantised to int8), combine the weighted sum of each token's
-  expert rows; anything that needs another rank raises ``NotImplementedError``;
+  all-to-all pair, computed as a simulated world: the emulation is one process, so the world
+  it computes is ``ep_world_size`` ranks that each hold this rank's shard (the only tokens one
+  process has).  Rank ``ep_rank_id`` owns experts ``[r*L, (r+1)*L)`` (L = moe_expert_num /
+  ep_world_size): dispatch returns the rows every rank sends it, grouped by local expert, then
+  by source rank (optionally quantised to int8), with the meta kernel's shapes; combine adds
+  each token's rows of the local experts, weighted; the rows of the other ranks' experts live
+  in their processes, which one process cannot see, so they add nothing here.  At
+  ep_world_size 1 both are exact.  A tensor-parallel domain (tp_world_size 2) and
+  shared-expert ranks raise ``NotImplementedError``;
 * ``npu_moe_re_routing``: tokens received rank-major regrouped expert-major.
 
 Formulas: torch_npu 2.14.0 ``_op_plugin_docs.py`` and meta kernels (output shapes and dtypes),
@@ -44,8 +49,10 @@ __all__ = [
     "npu_moe_gating_top_k",
     "npu_moe_gating_top_k_softmax_v2",
     "npu_moe_init_routing_v2",
+    "names_int8",
     "npu_moe_re_routing",
-    "one_rank",
+    "recv_counts_len",
+    "world",
 ]
 
 _F32 = torch.float32
@@ -190,9 +197,10 @@ def init_routing_v2_plan(
     if quant_mode not in (-1, 1):
         raise NotImplementedError(f"npu_moe_init_routing_v2: quant_mode {quant_mode} is not "
                                   "emulated (the torch_npu docs support -1 and 1)")
-    if x_dtype is not None:
-        raise NotImplementedError("npu_moe_init_routing_v2: x_dtype (packed fp4/fp8 inputs) is "
-                                  "not emulated")
+    if x_dtype is not None and not names_int8(x_dtype):
+        raise NotImplementedError(f"npu_moe_init_routing_v2: x_dtype {x_dtype!r} (packed fp4/fp8 "
+                                  "inputs) is not emulated; int8 (already quantised x, or the "
+                                  "quantised output) is")
     if active_expert_range:
         lo, hi = int(active_expert_range[0]), int(active_expert_range[1])
     elif expert_num > 0:
@@ -202,6 +210,17 @@ def init_routing_v2_plan(
     total = n_rows * topk
     rows = total if active_num <= 0 else min(active_num, total)
     return lo, hi, rows
+
+
+_INT8_CODE = 1  # c10::ScalarType::Char: what an ``int? x_dtype`` schema receives for torch.int8
+
+
+def names_int8(x_dtype: object) -> bool:
+    """Whether ``x_dtype`` says int8: ``torch.int8`` from Python, or its ScalarType code through
+    the ``int? x_dtype`` schema.  vllm-ascend passes it for int8 tokens (its W8A8 All2AllV
+    dispatch, x already int8) and for an int8 quantised output; either way the computation is
+    the one without it."""
+    return x_dtype is torch.int8 or (type(x_dtype) is int and x_dtype == _INT8_CODE)
 
 
 def npu_moe_init_routing_v2(
@@ -289,19 +308,40 @@ def npu_moe_init_routing_v2(
 # --------------------------------------------------------------------------- dispatch / combine
 
 
-def one_rank(op: str, ep_world_size: int, tp_world_size: int, shared_expert_rank_num: int) -> None:
-    """The emulation runs one process: raise for a call that needs another rank."""
-    if ep_world_size != 1 or tp_world_size > 1 or shared_expert_rank_num != 0:
+def world(op: str, ep_world_size: int, ep_rank_id: int, moe_expert_num: int,
+          tp_world_size: int, shared_expert_rank_num: int) -> tuple[int, int]:
+    """(first local expert, local expert count L) of rank ``ep_rank_id`` in the simulated world,
+    or ``NotImplementedError`` for what it does not compute."""
+    if tp_world_size > 1 or shared_expert_rank_num != 0:
         raise NotImplementedError(
-            f"{op}: the emulation runs one process; it computes ep_world_size 1, tp_world_size "
-            f"0 or 1 and no shared-expert ranks (got ep_world_size {ep_world_size}, "
-            f"tp_world_size {tp_world_size}, shared_expert_rank_num {shared_expert_rank_num})")
+            f"{op}: the simulated world has no tensor-parallel domain and no shared-expert ranks "
+            f"(got tp_world_size {tp_world_size}, shared_expert_rank_num "
+            f"{shared_expert_rank_num})")
+    if ep_world_size < 1 or moe_expert_num % ep_world_size or not 0 <= ep_rank_id < ep_world_size:
+        raise NotImplementedError(
+            f"{op}: moe_expert_num {moe_expert_num} over ep_world_size {ep_world_size} ranks "
+            f"(rank {ep_rank_id}): the experts must split evenly and the rank exist")
+    local = moe_expert_num // ep_world_size
+    return ep_rank_id * local, local
 
 
-def dispatch_rows(bs: int, topk: int, moe_expert_num: int, global_bs: int) -> int:
-    """``A``, the rows dispatch returns at ep_world_size 1 (the meta kernel's formula):
-    ``global_bs * min(local experts, K)``, global_bs defaulting to BS."""
-    return (bs if global_bs == 0 else global_bs) * min(moe_expert_num, topk)
+def dispatch_rows(bs: int, topk: int, moe_expert_num: int, global_bs: int,
+                  ep_world_size: int = 1) -> int:
+    """``A``, the rows dispatch returns (the meta kernel's formula): ``global_bs * min(local
+    experts, K)``, global_bs defaulting to BS * ep_world_size."""
+    real_bs = bs * ep_world_size if global_bs == 0 else global_bs
+    return real_bs * min(moe_expert_num // max(ep_world_size, 1), topk)
+
+
+def recv_counts_len(bs: int, topk: int, moe_expert_num: int, global_bs: int,
+                    ep_world_size: int, with_expert_scales: bool) -> int:
+    """The length of ``ep_recv_counts`` (the meta kernel's formula): ep_world_size * L, plus
+    ``global_bs * 2 * K * (ep_world_size // 8)`` with expert_scales."""
+    n = moe_expert_num  # ep_world_size * L
+    if with_expert_scales:
+        real_bs = bs * ep_world_size if global_bs == 0 else global_bs
+        n += real_bs * 2 * topk * (ep_world_size // 8)
+    return n
 
 
 def npu_moe_distribute_dispatch(
@@ -325,42 +365,60 @@ def npu_moe_distribute_dispatch(
     global_bs: int = 0,
     expert_token_nums_type: int = 1,
 ) -> tuple[torch.Tensor, ...]:
-    """aclnnMoeDistributeDispatch at ep_world_size 1: the all-to-all sends every (token, k)
-    pair to this rank, so ``expand_x`` (A, H) holds ``x[token]`` sorted stably by expert (zero
-    past the BS*K valid rows), int8 with per-row ``dynamic_scales = max|x * scales[e]| / 127``
-    for quant_mode 2; ``expand_idx[n*K + k]`` is the pair's position among its expert's rows
-    (what combine reads back); ``expert_token_nums`` (E,) int64 counts (type 1) or running
-    sums (0); ``ep_recv_counts`` (E,) int32 running sums of the counts (the prefix form the docs
-    give); ``tp_recv_counts`` (tp_world_size,) zeros; ``expand_scales`` the pairs'
-    ``expert_scales`` in row order, (A,) fp32 when given, else empty.  ``x_active_mask`` is a
-    reserved argument in the torch_npu docs and is ignored."""
-    one_rank("npu_moe_distribute_dispatch", ep_world_size, tp_world_size, shared_expert_rank_num)
+    """aclnnMoeDistributeDispatch in the simulated world (module docstring): rank r receives
+    from each of the ``ep_world_size`` ranks (all holding this shard) the (token, k) pairs of
+    its local experts, so ``expand_x`` (A, H) holds, per local expert and then per source rank,
+    ``x[token]`` of this shard's pairs of that expert in stable order (zero past the valid
+    rows), int8 with per-row ``dynamic_scales = max|x * scales[e]| / 127`` for quant_mode 2;
+    ``expand_idx[n*K + k]`` is the pair's position among the shard's pairs of its expert (the
+    row combine reads back in the owner's block for this source rank); ``expert_token_nums``
+    (L,) int64 counts (type 1) or running sums (0); ``ep_recv_counts`` int32 running sums of
+    the (expert, source rank) blocks, zero-padded to the meta kernel's length;
+    ``tp_recv_counts`` (tp_world_size,) zeros; ``expand_scales`` the rows' ``expert_scales``,
+    (A,) fp32 when given, else empty.  At ep_world_size 1 this is the local sort by expert.
+    ``x_active_mask`` is a reserved argument in the torch_npu docs and is ignored."""
+    lo, local = world("npu_moe_distribute_dispatch", ep_world_size, ep_rank_id, moe_expert_num,
+                      tp_world_size, shared_expert_rank_num)
     if quant_mode not in (0, 2) or (scales is not None and quant_mode == 0):
         raise NotImplementedError("npu_moe_distribute_dispatch: quant_mode 0 without scales and "
                                   "2 are emulated")
     bs, topk = expert_ids.shape
-    rows = dispatch_rows(bs, topk, moe_expert_num, global_bs)
+    rows = dispatch_rows(bs, topk, moe_expert_num, global_bs, ep_world_size)
     ids = expert_ids.reshape(-1).long()
-    full_order, full_valid = _by_expert(ids, 0, moe_expert_num)
-    order, valid = fit(full_order, rows), fit(full_valid, rows)
-    gathered = gather_rows(x, order // max(topk, 1))
+    local_order, _ = _by_expert(ids, lo, lo + local)
+    local_counts = _counts(ids, lo, lo + local)
+    # the pairs of each local expert, repeated once per source rank: (expert, rank) blocks
+    pieces, starts_e = [], torch.cumsum(local_counts, 0) - local_counts
+    for e in range(local):
+        block = local_order[int(starts_e[e]):int(starts_e[e]) + int(local_counts[e])]
+        pieces.extend([block] * ep_world_size)
+    picked_pairs = torch.cat(pieces) if pieces else ids.new_empty((0,))
+    valid = fit(torch.ones_like(picked_pairs, dtype=torch.bool), rows)
+    order = fit(picked_pairs, rows)
+    gathered = gather_rows(x, torch.where(valid, order // max(topk, 1), torch.full_like(order, -1)))
     expand_x = torch.where(valid.view(-1, 1), gathered, torch.zeros_like(gathered))
     dynamic_scales = x.new_zeros((rows,), dtype=_F32)
     if quant_mode == 2:
         fx = expand_x.to(_F32)
-        if scales is not None:
-            fx = fx * gather_rows(scales.to(_F32), ids[order])
+        if scales is not None:  # (experts, H) smoothing scales, by the row's expert
+            fx = fx * gather_rows(scales.to(_F32), torch.where(valid, ids[order], -1))
         expand_x, dynamic_scales = _dynamic_quant(fx, valid)
-    counts = _counts(ids, 0, moe_expert_num)
+    counts = _counts(ids, 0, moe_expert_num)  # every expert's pairs of this shard
+    full_order, _ = _by_expert(ids, 0, moe_expert_num)
     starts = torch.cumsum(counts, 0) - counts
     inv = torch.argsort(full_order)  # each pair's position in the sorted order
     e_safe, e_valid = safe_index(ids, moe_expert_num)
     expand_idx = torch.where(e_valid, inv - starts[e_safe], torch.full_like(ids, -1)).to(_I32)
-    expert_token_nums = torch.cumsum(counts, 0) if expert_token_nums_type == 0 else counts
-    ep_recv_counts = torch.cumsum(counts, 0).to(_I32)
+    received = local_counts * ep_world_size
+    expert_token_nums = torch.cumsum(received, 0) if expert_token_nums_type == 0 else received
+    blocks = local_counts.repeat_interleave(ep_world_size)
+    n_recv = recv_counts_len(bs, topk, moe_expert_num, global_bs, ep_world_size,
+                             expert_scales is not None)
+    ep_recv_counts = fit(torch.cumsum(blocks, 0).to(_I32), n_recv)
     tp_recv_counts = x.new_zeros((tp_world_size,), dtype=_I32)
     if expert_scales is not None:
-        picked = gather_rows(expert_scales.to(_F32).reshape(-1), order)
+        flat_scales = expert_scales.to(_F32).reshape(-1)
+        picked = gather_rows(flat_scales, torch.where(valid, order, torch.full_like(order, -1)))
         expand_scales = torch.where(valid, picked, torch.zeros_like(picked))
     else:
         expand_scales = x.new_empty((0,), dtype=_F32)
@@ -397,25 +455,30 @@ def npu_moe_distribute_combine(
     comm_quant_mode: int = 0,
     group_list_type: int = 0,
 ) -> torch.Tensor:
-    """aclnnMoeDistributeCombine at ep_world_size 1: ``out[n] = sum_k expert_scales[n, k] *
-    expand_x[start(e) + expand_idx[n*K + k]]`` with ``e = expert_ids[n, k]`` and ``start(e)``
-    read from ``ep_send_counts`` (dispatch's running sums: ``ep_send_counts[e - 1]``, 0 for the
-    first expert); (BS, H) in expand_x's dtype, math in fp32.  The reserved arguments
+    """aclnnMoeDistributeCombine in the simulated world (module docstring): ``out[n] =
+    sum_k expert_scales[n, k] * expand_x[start(e, r) + expand_idx[n*K + k]]`` over the pairs
+    whose expert ``e = expert_ids[n, k]`` is local to rank r, ``start(e, r)`` the start of the
+    (expert, source rank r) block read from ``ep_send_counts`` (dispatch's running sums); the
+    other ranks' experts add nothing (their rows are in other processes).  (BS, H) in
+    expand_x's dtype, math in fp32; exact at ep_world_size 1.  The reserved arguments
     (x_active_mask, activation_scale, weight_scale, group_list, shared_expert_x, out_dtype,
     group_list_type) and expand_scales are not read; comm_quant_mode 2 (int8 communication) is
     computed exactly."""
-    one_rank("npu_moe_distribute_combine", ep_world_size, tp_world_size, shared_expert_rank_num)
+    lo, local = world("npu_moe_distribute_combine", ep_world_size, ep_rank_id, moe_expert_num,
+                      tp_world_size, shared_expert_rank_num)
     if not expand_x.is_floating_point():
         raise NotImplementedError("npu_moe_distribute_combine: an int32 expand_x (out_dtype) is "
                                   "not emulated")
     acc = acc_dtype(expand_x)
     bs, topk = expert_ids.shape
     ids = expert_ids.reshape(-1).long()
+    is_local = (ids >= lo) & (ids < lo + local)
+    block = (ids - lo) * ep_world_size + ep_rank_id
     ends = ep_send_counts.reshape(-1).long()
-    e_safe, e_valid = safe_index(ids - 1, ends.numel())
-    start = torch.where(e_valid & (ids >= 1), ends[e_safe], torch.zeros_like(ids))
+    b_safe, b_valid = safe_index(block - 1, ends.numel())
+    start = torch.where(b_valid & (block >= 1), ends[b_safe], torch.zeros_like(ids))
     row = start + fit(expand_idx.reshape(-1).long(), ids.numel())
-    row = torch.where((ids >= 0) & (ids < moe_expert_num), row, torch.full_like(row, -1))
+    row = torch.where(is_local, row, torch.full_like(row, -1))
     picked = gather_rows(expand_x.to(acc), row)
     weights = fit(expert_scales.reshape(-1).to(acc), ids.numel())
     out = (picked * weights.unsqueeze(1)).view(bs, topk, -1).sum(1)
