@@ -115,7 +115,10 @@ def check(op: str | Contract, /, *args: Any, **kwargs: Any) -> None:
     violate the contract, whatever the mode."""
     __tracebackhide__ = True
     contract = _lookup(op) if isinstance(op, str) else op
-    check_call(compiled_for(contract), args, kwargs)
+    try:
+        check_call(compiled_for(contract), args, kwargs)
+    except ContractViolation as exc:  # the traceback ends here, at the user's check() call
+        raise exc.with_traceback(None)  # noqa: B904 - the checked call broke the contract
 
 
 
