@@ -10,7 +10,7 @@ from typing_extensions import ParamSpec
 
 from ._engine import registry
 from ._engine.enforce import check_call, compiled_for, make_guard, params_of
-from .errors import ContractFileError
+from .errors import ContractFileError, ContractViolation
 
 if TYPE_CHECKING:
     from ._engine.compile import CompiledContract

@@ -29,11 +29,11 @@ from typing import Any
 import torch
 
 from .._lang import modes as _modes
+from ..errors import ContractViolation
 from . import memo
 from . import registry as _registry
 from .callsite import find_call_site
 from .compile import BY_TOKEN, CompiledContract, Param, compile_contract
-from ..errors import ContractViolation
 from .violations import (
     _Bound,
     _evict_oldest,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 

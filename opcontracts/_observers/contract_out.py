@@ -61,8 +61,8 @@ def _table(c: Mapping[str, Any]) -> list[str]:
 
 def _problem(c: Mapping[str, Any], text: str) -> str | None:
     """Why the table ``text`` written for ``c`` would not load, or None."""
-    from .errors import ContractFileError
-    from .spec import contracts_from_toml
+    from ..errors import ContractFileError
+    from ..spec import contracts_from_toml
 
     if not c.get("args"):
         return "no rule to write (no argument gave one)"

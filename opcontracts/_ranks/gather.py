@@ -28,7 +28,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._jsonout import to_stdout, write_json
 from .._engine.records import (
     Record,
     Report,
@@ -38,6 +37,7 @@ from .._engine.records import (
     read_report_file,
     table_lines,
 )
+from .._jsonout import to_stdout, write_json
 
 __all__ = ["gather_report", "merge_files", "format_merged", "cmd_merge", "ReportFile",
            "read_files", "merge_nan"]

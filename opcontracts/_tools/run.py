@@ -583,8 +583,6 @@ def _merged_lines(parts: list[dict[str, Any]], world: int, quiet: bool) -> list[
     merged = merge_reports(reports)
     stats = merge_stats([RunStats.from_dict({**p["checked"], "ranks": [p["rank"]]})
                          for p in parts if p.get("checked")])
-    found = [p for p in parts for k in ("nan_sentinel", "shadow_compare")
-             if p.get(k) and p[k].get("first")]
     if quiet:
         return _quiet_line(merged.total, merged.records,
                            any(p.get("nan_sentinel") and p["nan_sentinel"].get("first")
