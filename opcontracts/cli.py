@@ -180,7 +180,8 @@ def _coverage(ns: argparse.Namespace, contracts: list[Contract]) -> int:
     try:
         release = digest.resolve_release(ns.coverage)
     except (OSError, KeyError, ValueError) as exc:
-        print(f"opcontracts list --coverage: {exc}", file=sys.stderr)
+        text = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc  # no repr quotes
+        print(f"opcontracts list --coverage: {text}", file=sys.stderr)
         return 2
     cov = coverage.coverage(release, [c for c in contracts if _matches(c.op, ns.pattern)])
     if ns.json:

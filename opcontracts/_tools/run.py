@@ -82,7 +82,8 @@ options:
   -m module        run a library module as a script (like python -m)
 
 exit status: the script's own (SystemExit code; 1 on an uncaught exception; 130 on Ctrl-C);
-2 for a usage error or a script that cannot be opened.
+2 for a usage error, a script or module that cannot be opened, a --contracts file with a
+problem, or an output (--report, --record, --json) that cannot be written.
 """
 
 _MODES = ("strict", "warn", "fix", "off")
@@ -272,17 +273,8 @@ def _execute(opts: RunOptions) -> int:
     """Run the script in this process; its exit status."""
     try:
         if opts.module is not None:
-            import importlib.util
-
             sys.argv = [opts.module, *opts.args]  # run_module puts the file in argv[0]
             sys.path[0] = os.getcwd()
-            try:
-                found = importlib.util.find_spec(opts.module) is not None
-            except (ImportError, ValueError):
-                found = False
-            if not found:
-                print(f"opcontracts run: No module named {opts.module}", file=sys.stderr)
-                return 1
             runpy.run_module(opts.module, run_name="__main__", alter_sys=True)
         else:
             assert opts.script is not None
@@ -300,12 +292,31 @@ def _execute(opts: RunOptions) -> int:
     return 0
 
 
+def _module_found(name: str) -> bool:
+    """Whether ``-m name`` names a module (looked up from the current folder, as python -m)."""
+    import importlib.util
+
+    added = os.getcwd() not in sys.path
+    if added:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+    finally:
+        if added:
+            sys.path.remove(os.getcwd())
+
+
 def run(opts: RunOptions) -> int:
     """Apply the patch and the mode, run the script, report; process state is restored
     afterwards (``sys.argv``, ``sys.path[0]``, the mode, the patch if it was not applied)."""
     if opts.script is not None and not os.path.isfile(opts.script):
         print(f"opcontracts run: can't open file {os.path.abspath(opts.script)!r}: "
               "[Errno 2] No such file or directory", file=sys.stderr)
+        return 2
+    if opts.module is not None and not _module_found(opts.module):
+        print(f"opcontracts run: No module named {opts.module}", file=sys.stderr)
         return 2
     try:  # an output that cannot be written is said now, not after hours of work
         for path, flag in ((opts.report, "--report"), (opts.record, "--record"),
