@@ -790,3 +790,14 @@ def test_item09_cross_entropy_backward_probe_finds_no_claimed_but_wrong(capsys: 
     the kernel gets wrong) counted as allowed."""
     rc, out, err = cli(capsys, "probe", "npu_cross_entropy_loss_backward")
     assert rc == 0, out + err
+
+
+def test_item08_unreadable_schema_line_is_a_clean_error(tmp_path: Path, capsys: Any) -> None:
+    from opcontracts.wheel import _source
+
+    w = _wheel(tmp_path)
+    _rewrite_member(w, _source.PATHS["schema"],
+                    b"backend: NPU\ncustom:\n- func: npu_toy(Tensor x, *, Tensor(a! out -> ((\n")
+    rc, _, err = cli(capsys, "wheel", "digest", str(w), "-o", str(tmp_path / "d.json.gz"))
+    assert rc == 2
+    _one_error_line(err, str(w), "schema")
