@@ -111,6 +111,8 @@ def _print_contract(c: Contract, status: str, indent: str = "  ") -> None:
     targets = [t + (f" ({why})" if (why := _target_status(t)) else "") for t in c.targets]
     print(f"{indent}  targets: {', '.join(targets) or '-'}")
     print(f"{indent}  source:  {c.source or '-'}")
+    if c.replace:
+        print(f"{indent}  replace: true (stands for the shipped contracts of {c.op} here)")
     width = max((len(n) for n in c.args), default=0)
     for name, a in c.args.items():
         print(f"{indent}  {name:<{width}}  {_rules(a)}")
@@ -304,7 +306,7 @@ def _list_json(ns: argparse.Namespace, env: Env,
                 "applies": ok, "status": _STATUS[ok],
                 "why": _versions.explain(c.when, env) if c.when is not None else None,
                 "when": c.when.model_dump(mode="json", exclude_none=True) if c.when else None,
-                "file": c.file, "source": c.source,
+                "file": c.file, "source": c.source, "replace": c.replace,
                 "targets": [{"target": t, "unavailable": _target_status(t)} for t in c.targets],
                 "args": {name: _arg_json(a) for name, a in c.args.items()},
                 "cases": [{"if": case.condition_text, "source": case.source,

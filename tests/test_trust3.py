@@ -801,3 +801,10 @@ def test_item08_unreadable_schema_line_is_a_clean_error(tmp_path: Path, capsys: 
     rc, _, err = cli(capsys, "wheel", "digest", str(w), "-o", str(tmp_path / "d.json.gz"))
     assert rc == 2
     _one_error_line(err, str(w), "schema")
+
+
+def test_item01_list_says_a_contract_replaces_the_shipped_ones(tmp_path: Path,
+                                                               capsys: Any) -> None:
+    f = _user_file(tmp_path, WIDER_PROBS.replace("[[contract]]\n", "[[contract]]\nreplace = true\n"))
+    rc, out, _ = cli(capsys, "list", MS_UNPERMUTE, "--contracts", str(f))
+    assert rc == 0 and "replace: true" in out
