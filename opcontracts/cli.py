@@ -8,11 +8,12 @@ opcontracts this is.  Each subcommand is one ``add_parser`` in ``build_parser`` 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
+
+from ._jsonout import add_json_option, check_writable, settle, to_stdout, write_json
 
 if TYPE_CHECKING:
     from ._lang.versions import Env
@@ -114,6 +115,8 @@ def _print_contract(c: Contract, status: str, indent: str = "  ") -> None:
     print(f"{indent}  source:  {c.source or '-'}")
     if c.layer is not None:
         print(f"{indent}  layer:   {c.layer}")
+    if c.replace:
+        print(f"{indent}  replace: true (stands for the shipped contracts of {c.op} here)")
     width = max((len(n) for n in c.args), default=0)
     for name, a in c.args.items():
         print(f"{indent}  {name:<{width}}  {_rules(a)}")
@@ -168,9 +171,9 @@ def _load_for_list(extra: Sequence[str]) -> list[Contract]:
 
     registry.load_shipped()
     if _contract_paths():
-        from ._attach.use import env_contracts  # the loading a job does, without applying the patch
+        from ._attach.use import env_contracts, register_each  # as a job loads them, no patch
 
-        registry.register(env_contracts(), replace=True)
+        register_each(env_contracts(), "OPCONTRACTS_CONTRACTS")
     for path in extra:
         registry.register(load_contracts(path), replace=True)
     return registry.all_contracts()
@@ -183,12 +186,13 @@ def _coverage(ns: argparse.Namespace, contracts: list[Contract]) -> int:
     try:
         release = digest.resolve_release(ns.coverage)
     except (OSError, KeyError, ValueError) as exc:
-        print(f"opcontracts list --coverage: {exc}", file=sys.stderr)
+        text = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc  # no repr quotes
+        print(f"opcontracts list --coverage: {text}", file=sys.stderr)
         return 2
     cov = coverage.coverage(release, [c for c in contracts if _matches(c.op, ns.pattern)])
     if ns.json:
-        print(json.dumps(cov.to_json(), indent=2))
-    else:
+        write_json(ns.json, cov.to_json())
+    if not to_stdout(ns.json):
         print(coverage.render(cov, verbose=ns.verbose))
     return 0
 
@@ -201,6 +205,7 @@ def _cmd_list(ns: argparse.Namespace) -> int:
     from ._engine import registry
     from ._lang import versions as _versions
 
+    settle(ns, "pattern")  # `list --json PATTERN`: the pattern, JSON on stdout
     contracts = _load_for_list(ns.contracts or ())
     if ns.coverage:
         return _coverage(ns, contracts)
@@ -217,8 +222,9 @@ def _cmd_list(ns: argparse.Namespace) -> int:
     verdicts_by_op = {op: [(c, _versions.applies(c.when, env)) for c in lst]
                       for op, lst in by_op.items()}
     if ns.json:
-        print(json.dumps(_list_json(ns, env, verdicts_by_op, len(contracts)), indent=2))
-        return 0 if by_op or not ns.pattern else 1
+        write_json(ns.json, _list_json(ns, env, verdicts_by_op, len(contracts)))
+        if to_stdout(ns.json):
+            return 0 if by_op or not ns.pattern else 1
     if not by_op and ns.pattern:
         print(f"opcontracts list: no op matches {ns.pattern!r} ({len(contracts)} contract(s) "
               "loaded; `opcontracts list` shows them all)", file=sys.stderr)
@@ -232,6 +238,8 @@ def _cmd_list(ns: argparse.Namespace) -> int:
               "enforces their strictest merge, and a call only some readings reject is warned "
               "about, not raised (see docs/targets.md)")
     print()
+    if not (ns.verbose or ns.pattern or ns.all):
+        return _list_summary(verdicts_by_op, len(contracts))
     shown = hidden = 0
     for op, verdicts in verdicts_by_op.items():
         visible = [(c, ok) for c, ok in verdicts if ns.all or ok is not False]
@@ -268,6 +276,30 @@ def _cmd_list(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _list_summary(verdicts_by_op: dict[str, list[tuple[Contract, bool | None]]],
+                  loaded: int) -> int:
+    """``list`` without a pattern: one line per op (how many contracts apply, its arguments);
+    ``list OP``, ``--all`` or ``--verbose`` give every contract's rules."""
+    rows = [("op", "contracts", "arguments")]
+    for op, verdicts in verdicts_by_op.items():
+        applying = [c for c, ok in verdicts if ok is not False]
+        maybe = sum(1 for _, ok in verdicts if ok is None)
+        if not applying:
+            continue
+        count = f"{len(applying)}" + (f" ({maybe} may apply)" if maybe else "")
+        names = list(dict.fromkeys(n for c in applying for n in c.args))
+        text = ", ".join(names)
+        rows.append((op, count, text if len(text) <= 70 else text[:67] + "..."))
+    width = [max(len(r[i]) for r in rows) for i in range(2)]
+    for r in rows:
+        print(f"{r[0]:<{width[0]}}  {r[1]:<{width[1]}}  {r[2]}".rstrip())
+    print()
+    print(f"{len(rows) - 1} op(s) with a contract that applies here, {loaded} contract(s) "
+          "loaded; `opcontracts list OP` (or --verbose) shows every rule and where it comes "
+          "from, --all also those that do not apply")
+    return 0
+
+
 def _arg_json(a: Arg) -> dict[str, Any]:
     """An argument's rules as the contract file spells them (only the fields that are set),
     and as ``list`` prints them."""
@@ -292,7 +324,7 @@ def _list_json(ns: argparse.Namespace, env: Env,
                 "applies": ok, "status": _STATUS[ok],
                 "why": _versions.explain(c.when, env) if c.when is not None else None,
                 "when": c.when.model_dump(mode="json", exclude_none=True) if c.when else None,
-                "file": c.file, "source": c.source, "layer": c.layer,
+                "file": c.file, "source": c.source, "layer": c.layer, "replace": c.replace,
                 "targets": [{"target": t, "unavailable": _target_status(t)} for t in c.targets],
                 "args": {name: _arg_json(a) for name, a in c.args.items()},
                 "cases": [{"if": case.condition_text, "source": case.source,
@@ -372,8 +404,9 @@ def _cmd_env(ns: argparse.Namespace) -> int:
     mode = data["mode"]
     status = 2 if mode["error"] or data["targets"]["error"] else 0
     if ns.json:
-        print(json.dumps(data, indent=2))
-        return status
+        write_json(ns.json, data)
+        if to_stdout(ns.json):
+            return status
     rows = _versions.rows(_versions.current())
     if mode["error"]:
         rows.append(("mode", "invalid", mode["error"]))
@@ -450,18 +483,18 @@ def build_parser() -> argparse.ArgumentParser:
                     "otherwise a substring; case-insensitive")
     pl.add_argument("--all", action="store_true", help="also those that do not apply, and why")
     pl.add_argument("--contracts", action="append", help="extra contract file or folder")
-    pl.add_argument("--json", action="store_true",
-                    help="print JSON (every matching contract, each with whether it applies)")
+    add_json_option(pl, "every matching contract, each with whether it applies,")
     pl.add_argument("--coverage", metavar="SOURCE",
                     help="which ops of a torch_npu release have a contract: SOURCE is a wheel, "
                     "an unpacked tree, a digest (FILE.json.gz[@VERSION]) or a version of the "
                     "shipped digest (2.14.0)")
     pl.add_argument("-v", "--verbose", action="store_true",
-                    help="with --coverage: also list the undocumented ops")
+                    help="every contract's rules (the default without OP_PATTERN is one line "
+                    "per op); with --coverage: also list the undocumented ops")
     pl.set_defaults(func=_cmd_list)
     pe = sub.add_parser("env", help="show detected torch_npu / CANN / MindSpeed versions, the "
                         "mode and the extra contract files")
-    pe.add_argument("--json", action="store_true", help="print JSON")
+    add_json_option(pe, "the same")
     pe.set_defaults(func=_cmd_env)
     pd = sub.add_parser("demo", help="reproduce the first-step NaN of the incident, catch it, "
                         "fix it (CPU emulation)",
@@ -469,7 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "the CPU emulation of the NPU kernels: reference (plain PyTorch), "
                         "unguarded (mode off), strict, fix. Exit status 0 when each outcome is "
                         "the described one.")
-    pd.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    add_json_option(pd, "the results")
     pd.add_argument("--seed", type=int, default=0, help="seed of the weights and data (default 0)")
     pd.add_argument("--nan-check", action="store_true",
                     help="also run the NaN sentinel on the unguarded and fix runs")
@@ -487,7 +520,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "applied; `opcontracts run --help` for options",
                           add_help=False, prefix_chars="\x00",
                           usage=_run_usage())
-    prun.add_argument("argv", nargs=argparse.REMAINDER)
+    prun.add_argument("argv", nargs=argparse.REMAINDER,
+                      help="run's options, the script (or -m module) and its arguments")
     prun.set_defaults(func=_cmd_run)
     pr = sub.add_parser("report", help="work with saved report files")
     rsub = pr.add_subparsers(dest="report_command", required=True)
@@ -495,7 +529,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "each violation")
     prm.add_argument("files", nargs="+", metavar="FILE",
                      help="report files (report.rank0.json ...) or a folder of them")
-    prm.add_argument("--json", metavar="OUT", help="also write the merged report as JSON")
+    add_json_option(prm, "the merged report")
     prm.set_defaults(func=_cmd_report_merge)
     from .wheel.cli import add_parser as _add_wheel_parser  # imports nothing else until run
 
@@ -510,20 +544,34 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Exit status: 0 fine; 1 checked and found problems; 2 a usage error, input that cannot
+    be read or output that cannot be written (one line naming the file or flag, no traceback)."""
     from .errors import OpContractsError
 
     ns = build_parser().parse_args(argv)
     try:
+        if getattr(ns, "json", None):
+            if hasattr(ns, "pattern"):
+                settle(ns, "pattern")
+            check_writable(ns.json, "--json")  # before the work, not after it
         return int(ns.func(ns))
     except OpContractsError as exc:  # a bad file or setting: its message names it
         print(f"opcontracts {ns.command}: {exc}", file=sys.stderr)
         return 2
-    except BrokenPipeError:  # `opcontracts list | head`: the reader left, nothing to report
-        import os
+    except OSError as exc:  # a path the user gave that cannot be read or written
+        if isinstance(exc, BrokenPipeError):
+            return _reader_left()
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"opcontracts {ns.command}: {where}{exc.strerror or exc}", file=sys.stderr)
+        return 2
 
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return 0
+
+
+def _reader_left() -> int:
+    """`opcontracts list | head`: the reader left, nothing to report."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -10,7 +10,7 @@ from typing_extensions import ParamSpec
 
 from ._engine import registry
 from ._engine.enforce import check_call, compiled_for, make_guard, params_of
-from .errors import ContractFileError
+from .errors import ContractFileError, ContractViolation
 
 if TYPE_CHECKING:
     from ._engine.compile import CompiledContract
@@ -115,7 +115,10 @@ def check(op: str | Contract, /, *args: Any, **kwargs: Any) -> None:
     violate the contract, whatever the mode."""
     __tracebackhide__ = True
     contract = _lookup(op) if isinstance(op, str) else op
-    check_call(compiled_for(contract), args, kwargs)
+    try:
+        check_call(compiled_for(contract), args, kwargs)
+    except ContractViolation as exc:  # the traceback ends here, at the user's check() call
+        raise exc.with_traceback(None)  # noqa: B904 - the checked call broke the contract
 
 
 

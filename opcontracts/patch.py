@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from ._attach.patcher import Patcher, PatchRecord
-from ._attach.use import env_contracts
+from ._attach.use import env_contracts, register_each
 from ._engine import registry
 from ._lang import modes, targets
 from ._lang.envwarn import warn_setting
@@ -50,9 +50,9 @@ def apply(contracts: Iterable[Contract] | None = None) -> list[PatchRecord]:
     Shipped contracts are read from their files' ``op``/``targets``/``when`` only; each is
     validated and compiled on the first call of one of its targets, so the import stays cheap.
     """
-    extra = list(contracts or ()) + _user_contracts()
-    if extra:
-        registry.register(extra, replace=True)
+    if contracts:
+        registry.register(list(contracts), replace=True)
+    register_each(_user_contracts(), "OPCONTRACTS_CONTRACTS")
     try:
         targets = registry.applicable_targets()
     except OpContractsError as exc:  # pragma: no cover - a broken install

@@ -26,7 +26,10 @@ installed; on, each guarded call costs the layer's dispatch and one pass over it
 
 from __future__ import annotations
 
+import inspect
 import threading
+import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,14 +75,48 @@ class _Op:
     order: list[str] = field(default_factory=list)
 
 
+_var_cache: weakref.WeakKeyDictionary[Any, tuple[tuple[str, ...], bool]] = \
+    weakref.WeakKeyDictionary()
+
+
+def _names(fn: Any) -> tuple[tuple[str, ...], bool]:
+    """The parameters a contract can name (not ``*args`` / ``**kwargs``), in order, and
+    whether ``fn`` takes either (then positions past the names and unknown keywords are not
+    recorded: a contract could not name them)."""
+    try:
+        return _var_cache[fn]
+    except (KeyError, TypeError):
+        pass
+    names = layer.param_names(fn)
+    var: set[str] = set()
+    try:
+        var = {p.name for p in inspect.signature(fn).parameters.values()
+               if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    except (TypeError, ValueError):
+        pass
+    out = (tuple(n for n in names if n not in var), bool(var))
+    try:
+        _var_cache[fn] = out
+    except TypeError:  # not weak-referenceable: not cached
+        pass
+    return out
+
+
 class Recorder(Observer):
     """Keep what every guarded call received; ``write(path, script=...)`` as a contract file.
     A context manager, or ``enable()`` / ``disable()``; ``watch`` names targets without a
     contract to record too (``{op: "module.function"}``)."""
 
-    def __init__(self, *, max_values: int = 16, watch: dict[str, str] | None = None) -> None:
+    def __init__(self, *, max_values: int = 16, watch: dict[str, str] | None = None,
+                 record_violations: bool = False) -> None:
         self.max_values = max_values
         self.watch = dict(watch or {})
+        self.record_violations = record_violations
+        """keep the calls that violate the contract that applies (``--record-violations``);
+        by default each is warned about and left out, so a golden file never pins a dtype the
+        shipped rules reject"""
+        self.violations: dict[str, int] = {}
+        """calls left out (or, with ``record_violations``, kept) per op: they broke a contract"""
         self._ops: dict[str, _Op] = {}
         self.targets: dict[str, list[str]] = {}
         """op -> targets for the written contracts, beside those the patch guards"""
@@ -107,21 +144,50 @@ class Recorder(Observer):
         self.disable()
 
     # ----------------------------------------------------------------- recording
+    def _violates(self, call: Call) -> bool:
+        """Whether the call breaks the contract its guard enforces (the shipped rules and any
+        user's file loaded; warned about); a call the checker cannot judge counts as conforming."""
+        from ._engine.enforce import compiled_of
+
+        assert call.args is not None and call.kwargs is not None
+        try:
+            cc = compiled_of(call.fn)
+            raw = cc.check(*call.args, **call.kwargs) if cc is not None else None
+        except Exception:  # noqa: BLE001 - recording must never fail the call
+            return False
+        if raw is None:
+            return False
+        rule = raw.rule
+        self.violations[call.op] = self.violations.get(call.op, 0) + 1
+        what = "recorded anyway (--record-violations)" if self.record_violations \
+            else "left out of the golden run (--record-violations keeps it)"
+        site = call.site
+        warnings.warn(f"opcontracts.record: a call of {call.op} breaks its contract "
+                      f"({rule.arg or '-'}: {rule.kind}, expected {rule.expected}) at "
+                      f"{site if site is not None else '?'}: {what}",
+                      RuntimeWarning, stacklevel=2)
+        return True
+
     def begin(self, call: Call) -> Any:
         assert call.args is not None and call.kwargs is not None
-        self.add(call.op, layer.param_names(call.fn), call.args, call.kwargs)
+        if self._violates(call) and not self.record_violations:
+            return None
+        names, var = _names(call.fn)
+        self.add(call.op, names, call.args, call.kwargs, var=var)
         return None  # nothing to do after the call
 
     def add(self, op: str, names: Sequence[str], args: Sequence[Any],
-            kwargs: Mapping[str, Any]) -> None:
-        """Record one call of ``op`` (``names``: its parameters in order, which the positional
-        ``args`` bind to): what every guarded call does, and what ``opcontracts record
-        --from-dump`` does for each call an msprobe dump holds (meta tensors in the recorded
-        dtypes and shapes)."""
+            kwargs: Mapping[str, Any], *, var: bool = False) -> None:
+        """Record one call of ``op`` (``names``: the parameters a contract can name, in order,
+        which the positional ``args`` bind to; ``var``: the function also takes ``*args`` or
+        ``**kwargs``, whose values no contract can name and which are not recorded): what every
+        guarded call does, and what ``opcontracts record --from-dump`` does for each call an
+        msprobe dump holds (meta tensors in the recorded dtypes and shapes)."""
         bound: dict[str, Any] = {}
         for i, v in enumerate(args):
-            bound[names[i] if i < len(names) else f"args[{i}]"] = v
-        bound.update(kwargs)
+            if i < len(names):  # beyond them: *args, which no contract argument can name
+                bound[names[i]] = v
+        bound.update((k, v) for k, v in kwargs.items() if not var or k in names)
         with self._lock:
             rec = self._ops.setdefault(op, _Op())
             rec.calls += 1
@@ -235,10 +301,14 @@ class Recorder(Observer):
             f"{utc_now()}: {sum(calls.values())} guarded call(s) of {len(calls)} op(s).",
             "Use it with OPCONTRACTS_CONTRACTS=<this file>: a later run flags every call whose "
             "dtypes, ranks or",
-            "constant arguments differ from this run. when = {torch = \">=0\"} always holds: it "
-            "keeps each contract",
-            "next to the shipped one for the op (both apply, merged into the strictest reading).",
+            "constant arguments differ from this run, on top of the shipped rules (a user's "
+            "contract adds to them).",
         ]
-        p.write_text(dumps_contracts(self.contracts(script=script, origin=origin), header),
-                     encoding="utf-8")
+        left = {op: n for op, n in self.violations.items()}
+        if left:
+            header.append(("Calls that broke a contract were recorded too (--record-violations): "
+                           if self.record_violations else
+                           "Calls that broke a contract were left out: ")
+                          + ", ".join(f"{op} ({n})" for op, n in sorted(left.items())) + ".")
+        p.write_text(dumps_contracts(self.contracts(script=script, origin=origin), header), encoding="utf-8")
         return p

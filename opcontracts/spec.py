@@ -414,6 +414,9 @@ class When(_Frozen):
         else:
             parts = [p.strip() for p in str(v).split("||")]
         for part in parts:
+            if not part:  # SpecifierSet("") matches every release: a typo must not do that
+                raise ValueError(f"an empty alternative in {v!r} would match every release "
+                                 "(write the alternatives as 'A || B', or a list ['A', 'B'])")
             try:
                 SpecifierSet(part)
             except InvalidSpecifier:
@@ -424,7 +427,14 @@ class When(_Frozen):
     @field_validator("soc", mode="before")
     @classmethod
     def _soc(cls, v: Any) -> Any:
-        return (v,) if isinstance(v, str) else v
+        items = [v] if isinstance(v, str) else v
+        if isinstance(items, (list, tuple)):
+            if not items:
+                raise ValueError("soc = [] names no chip (leave soc out to mean any chip)")
+            if any(not isinstance(x, str) or not x.strip() for x in items):
+                raise ValueError(f"soc: chip names are non-empty strings, got {_show(v)}")
+            return tuple(items)
+        return v
 
 
 class Case(_Frozen):
@@ -543,6 +553,9 @@ class Contract(_Frozen):
     tensor: opt-in, since most kernels' own dispatch already rejects mixed devices)"""
     cases: tuple[Case, ...] = ()
     """rules that hold only when arguments have given values (``Case``)"""
+    replace: StrictBool = False
+    """a user's contract that replaces the shipped contracts of its op where it applies; without
+    it, a user's contract adds to them (a call must satisfy both)"""
     file: str | None = Field(default=None, repr=False)
 
     def __init__(self, op: Any = None, args: Any = None, /, **data: Any) -> None:

@@ -774,7 +774,7 @@ def _cli(*argv: str) -> str:
 
 def test_cli_list_shows_what_applies() -> None:
     opcontracts.set_versions(torch_npu="2.13.0", cann="8.0.0", soc="Ascend950")
-    out = _cli("list")
+    out = _cli("list", "--verbose")
     assert out.startswith("environment: torch_npu 2.13.0")
     assert "npu_moe_token_unpermute\n" in out and "mindspeed.npu_gmm\n" in out
     assert "targets: torch_npu.npu_moe_token_unpermute" in out
@@ -801,7 +801,7 @@ def test_cli_list_all_explains_what_does_not_apply() -> None:
 
 def test_cli_list_shows_the_strictest_merge_when_versions_are_unknown() -> None:
     opcontracts.set_versions(torch_npu="unknown", cann="unknown", soc="unknown")
-    out = _cli("list")
+    out = _cli("list", "--verbose")
     assert ("[may apply: torch_npu unknown (needed for torch_npu >=2.5.1.post1; set "
             "OPCONTRACTS_TORCH_NPU_VERSION); cann unknown (needed for cann <8.0.0; set "
             "OPCONTRACTS_CANN_VERSION)]") in out
@@ -829,14 +829,14 @@ def test_cli_env_marks_the_emulation(emu: Any) -> None:
 
 
 def test_cli_list_marks_targets_that_cannot_be_reached_here(emu: Any) -> None:
-    out = _cli("list")
+    out = _cli("list", "--verbose")
     assert ("targets: torch_npu.npu_moe_token_unpermute, torch.ops.npu.npu_moe_token_unpermute\n"
             in out)  # the emulation provides both
     from opcontracts import emulation
 
     emulation.uninstall()
     try:
-        out = _cli("list")
+        out = _cli("list", "--verbose")
     finally:
         emulation.install()
     assert ("targets: torch_npu.npu_moe_token_unpermute (not installed here), "

@@ -220,7 +220,7 @@ def test_apply_is_idempotent_and_cycles_leave_nothing(pkg, clean_patch):
         patch.unpatch()
     assert ops.scale is original and user.scale is original
     assert sys.meta_path == meta
-    assert len(linecache.cache) == cache
+    assert len(linecache.cache) <= cache  # nothing kept (checkers freed meanwhile leave it too)
     assert patch.patched() == []
 
 

@@ -202,7 +202,7 @@ def test_usage_errors(argv: list[str], message: str, capsys: pytest.CaptureFixtu
 def test_missing_script_and_module(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert _run.main([str(tmp_path / "nope.py")]) == 2
     assert "can't open file" in capsys.readouterr().err
-    assert _run.main(["-m", "no_such_module_here"]) == 1
+    assert _run.main(["-m", "no_such_module_here"]) == 2  # as a script that cannot be opened
     assert "No module named no_such_module_here" in capsys.readouterr().err
 
 

@@ -155,7 +155,7 @@ def _cli(*argv: str) -> tuple[int, str, str]:
 
 
 def test_cli_verify_exit_status_table_and_json(tmp_path: Path) -> None:
-    rc, out, _ = _cli("wheel", "verify", "--versions", ",".join(EIGHT))
+    rc, out, _ = _cli("wheel", "verify", "--versions", ",".join(EIGHT), "--verbose")
     assert rc == 0 and "all contracts pass" in out
     assert "ok  torch_npu 2.7.1.post11, 2.9.0.post9, 2.12.0.post3, 2.13.0, 2.14.0 (docs " in out
     rc, out, _ = _cli("wheel", "verify", "--versions", "2.14.0", "--json", "-", "--op",

@@ -20,7 +20,7 @@ from ..errors import OpContractsError
 if TYPE_CHECKING:
     from ..spec import Contract
 
-__all__ = ["use", "env_contracts"]
+__all__ = ["use", "env_contracts", "register_each"]
 
 
 def use(*paths: str | os.PathLike[str], replace: bool = False) -> list[Contract]:
@@ -50,6 +50,17 @@ def use(*paths: str | os.PathLike[str], replace: bool = False) -> list[Contract]
     if patch is not None and patch.is_applied() and any(c.targets for c in contracts):
         patch.apply()
     return contracts
+
+
+def register_each(contracts: list[Contract], where: str) -> None:
+    """Register the contracts of a user's setting one by one: one that cannot be registered
+    (its dtypes share nothing with a shipped contract's) is skipped with a warning naming
+    ``where`` and its file, and the others still load (a user's file never kills the job)."""
+    for c in contracts:
+        try:
+            registry.register(c, replace=True)
+        except OpContractsError as exc:
+            warn_setting(where, f"{exc}; skipped")
 
 
 def env_contracts() -> list[Contract]:

@@ -107,7 +107,9 @@ class CompiledContract:
 
 
 _counter = itertools.count()
-BY_KEY: dict[int, CompiledContract] = {}
+# weak: a contract replaced and no longer used by any guard is freed, with its entries here and
+# its generated source in linecache (``_forget``): register/replace cycles keep nothing for good
+BY_KEY: weakref.WeakValueDictionary[int, CompiledContract] = weakref.WeakValueDictionary()
 # what code traced by torch.compile reads, by key: plain functions and strings (dynamo guards
 # them cheaply; a CompiledContract read from a dict would become a constant it cannot guard)
 FAST_BY_KEY: dict[int, Callable[..., Any]] = {}
@@ -121,6 +123,15 @@ def _expected_dtypes(names: Sequence[str]) -> str:
     return " or ".join(names) if len(names) <= 2 else "one of " + ", ".join(names)
 
 
+def _among(value: Any, values: tuple[Any, ...]) -> bool:
+    """``value in values`` for a tensor: a comparison that cannot say True or False (a
+    multi-element tensor's ``==``) means "not one of them"."""
+    try:
+        return bool(value in values)
+    except Exception:  # noqa: BLE001 - "Boolean value of Tensor ... is ambiguous" and kin
+        return False
+
+
 class _Gen:
     def __init__(self, contract: Contract, params: Sequence[Param], fast: bool = False) -> None:
         self.fast = fast
@@ -129,7 +140,7 @@ class _Gen:
         self.rules: list[Rule] = []
         self.ns: dict[str, Any] = {
             "_oc_M": MISSING, "_oc_U": _UNBOUND, "_oc_T": torch.Tensor, "_oc_VALUES": _values.ENABLED,
-            "_oc_IL": _int_list_tensor,
+            "_oc_IL": _int_list_tensor, "_oc_in": _among,
         }
         self.lines: list[str] = []
         self.consts = itertools.count()
@@ -438,13 +449,18 @@ class _Gen:
         v = arg
         present = f"{v} is not _oc_M and {v} is not None"
         default = self.default_of(arg)
-        if not spec.optional:  # None for a required scalar is a missing value, whatever its rules
+        # None for a required scalar is a missing value, whatever its rules (unless listed)
+        if not spec.optional and None not in (spec.allowed or ()):
             rid = self.rule(arg, "missing", "a value (this argument is not optional)", spec)
             self.emit(self.base, f"if {v} is None: {self.fail(rid, v)}")
         if spec.allowed is not None:
             rid = self.rule(arg, "allowed", "one of " + ", ".join(map(repr, spec.allowed)), spec)
-            self.emit(self.base, f"if {present} and {v} not in {self.const(tuple(spec.allowed))}: "
-                         f"{self.fail(rid, v)}")
+            vals = self.const(tuple(spec.allowed))
+            # a tensor through _oc_in (its == cannot say True or False when it has several
+            # elements); the values themselves as they are
+            self.emit(self.base, f"if {present} and (isinstance({v}, _oc_T) and not _oc_in({v}, "
+                                 f"{vals}) or not isinstance({v}, _oc_T) and {v} not in {vals}): "
+                                 f"{self.fail(rid, v)}")
             if default is not MISSING and default not in spec.allowed:
                 self.emit(self.base, f"if {v} is _oc_M: {self.fail_default(rid, default)}")
         bounds = [(n, getattr(spec, n)) for n in ("ge", "le", "lt") if getattr(spec, n) is not None]
@@ -496,8 +512,10 @@ class _Gen:
             p = params[k]
             value = f"({k} if {k} is not _oc_M else {self.const(p.default)})" if p.has_default \
                 else k
-            test = f"{value} == {self.const(vals[0])}" if len(vals) == 1 \
-                else f"{value} in {self.const(tuple(vals))}"
+            # a tensor where a value belongs: the case does not apply (the argument's own
+            # rules, such as ``allowed``, say what is wrong with it)
+            c = self.const(tuple(vals))
+            test = f"(_oc_in({value}, {c}) if isinstance({value}, _oc_T) else {value} in {c})"
             conds.append(test if p.has_default else f"{k} is not _oc_M and {test}")
         cond = " and ".join(conds)
         args = {n: a for n, a in case.args.items() if n in params}
@@ -675,5 +693,14 @@ def compile_contract(contract: Contract, params: Sequence[Param] | None = None) 
     BY_KEY[careful.key] = careful
     FAST_BY_KEY[careful.key] = quick.check
     OP_BY_KEY[careful.key] = contract.op
+    weakref.finalize(careful, _forget, careful.key, (careful.filename, quick.filename))
     return careful
+
+
+def _forget(key: int, filenames: tuple[str, ...]) -> None:
+    """A compiled contract was freed: drop what was kept for it by key and its sources."""
+    FAST_BY_KEY.pop(key, None)
+    OP_BY_KEY.pop(key, None)
+    for f in filenames:
+        linecache.cache.pop(f, None)
 

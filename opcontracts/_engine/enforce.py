@@ -38,6 +38,7 @@ from .compile import BY_TOKEN, CompiledContract, Param, compile_contract
 from .violations import (
     _actual,
     _Bound,
+    _evict_oldest,
     _pins_strides,
     _values_switch,
     _violated,
@@ -232,7 +233,12 @@ def make_guard(fn: Callable[..., Any], cc: CompiledContract | None = None, *,
         c = cc
         if c is None:  # reset by another thread since `fast` ran: decide on the new contract
             return guarded(*args, **kwargs)
-        return violated(m, c, fn, args, kwargs)
+        try:
+            return violated(m, c, fn, args, kwargs)
+        except ContractViolation as exc:
+            if not _raised_by_us(exc):  # from the kernel (a guard inside it): untouched
+                raise
+            raise exc.with_traceback(None)  # noqa: B904 - your call above broke the contract
 
     def remember(shape: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Learn a conforming call that no learnt check matched (slow path: ~5-30 us, at most
@@ -319,12 +325,22 @@ def _warn_broken(op: str, exc: Exception) -> None:
         warnings.warn_explicit(text, RuntimeWarning, site.filename, site.lineno, module=site.module)
 
 
+def _raised_by_us(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised by ``_violated`` right below the frame catching it: its
+    traceback is then cut at the guard, so a strict-mode traceback ends at the user's call
+    with one line of ours (the guard's ``raise``), not in two to four of our frames."""
+    tb = exc.__traceback__
+    nxt = tb.tb_next if tb is not None else None
+    return nxt is not None and nxt.tb_next is None and nxt.tb_frame.f_code is _violated.__code__
+
+
 def _on_registry_change() -> None:
     """The registry changed what applies: every guard that follows it starts over."""
     for g in list(_FOLLOWING):
         reset = getattr(g, "__opcontracts_reset__", None)
         if reset is not None:
             reset()
+    _compiled_cache.clear()  # replaced contracts' checkers are freed (and their linecache)
 
 
 _registry.on_change(_on_registry_change)
@@ -345,14 +361,24 @@ def compiled_of(guard: Callable[..., Any]) -> CompiledContract | None:
     return cc
 
 
-_compiled_cache: dict[tuple[int, tuple[Param, ...] | None], CompiledContract] = {}
+_compiled_cache: dict[tuple[Any, ...], CompiledContract] = {}
+COMPILED_CACHE_SIZE = 256  # the most recent ones: contracts replaced since are not kept alive
+
+
+def _default_key(p: Param) -> Any:
+    """A parameter's default as part of a cache key: targets that differ only in defaults get
+    checkers of their own (a case on a left-out argument reads the default)."""
+    v = p.default
+    return (p.has_default, v if type(v) in (bool, int, float, str, type(None)) else id(v))
 
 
 def compiled_for(contract: Any, params: Sequence[Param] | None = None) -> CompiledContract:
-    key = (id(contract), tuple(params) if params is not None else None)
+    key = (id(contract), None if params is None else
+           tuple((p, _default_key(p)) for p in params))
     cc = _compiled_cache.get(key)
     if cc is None or cc.contract is not contract:
         cc = compile_contract(contract, params)
+        _evict_oldest(_compiled_cache, COMPILED_CACHE_SIZE)
         _compiled_cache[key] = cc
     return cc
 

@@ -26,6 +26,7 @@ import itertools
 import keyword
 import linecache
 import os
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -144,6 +145,7 @@ def learn(args: tuple[Any, ...], static_strides: bool,
         filename = f"<opcontracts memo #{next(_counter)}>"
         exec(compile(src, filename, "exec"), ns)
         linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
+        weakref.finalize(ns["same"], linecache.cache.pop, filename, None)  # freed with the memo
         return ns["same"]  # type: ignore[no-any-return]
     except Exception:  # symbolic sizes, exotic devices, a keyword that is no identifier
         return None

@@ -36,7 +36,7 @@ class _State(threading.local):
 
     def __init__(self) -> None:
         self.stack: list[Key] = []
-        self.bwd: tuple[Key, int] | None = None
+        self.bwd: tuple[Key, int, int] | None = None  # (record, node, backward pass)
 
 
 _tls = _State()
@@ -48,7 +48,14 @@ def outer() -> Key | None:
     if st:
         return st[-1]
     bwd = _tls.bwd
-    return bwd[0] if bwd is not None else None
+    if bwd is None:
+        return None
+    if bwd[2] != torch._C._current_graph_task_id():
+        # set by a backward pass that is over: one that raised inside the node never ran its
+        # post-hook, and a later, unrelated violation must not be attached to that record
+        _tls.bwd = None
+        return None
+    return bwd[0]
 
 
 def _nodes(out: Any) -> list[Any]:
@@ -68,7 +75,7 @@ def _hook_backward(nodes: list[Any], key: Key) -> None:
         node_id = id(node)
 
         def pre(grad_outputs: Any, node_id: int = node_id) -> None:
-            _tls.bwd = (key, node_id)
+            _tls.bwd = (key, node_id, torch._C._current_graph_task_id())
 
         def post(grad_inputs: Any, grad_outputs: Any, node_id: int = node_id) -> None:
             cur = _tls.bwd

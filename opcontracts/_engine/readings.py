@@ -194,13 +194,17 @@ def _short(cond: str) -> str:
 
 def resolve_readings(op: str, candidates: Sequence[Contract], stacks: Sequence[Env],
                      targets: tuple[Target, ...],
-                     merge: Callable[[list[Contract]], Contract]) -> Resolution:
+                     merge: Callable[[list[Contract]], Contract],
+                     is_shipped: Callable[[Contract], bool] = lambda c: True) -> Resolution:
     """The readings of ``candidates`` on each of ``stacks``, and the strictest merge of every
-    contract some reading applies (what the guard enforces)."""
+    contract some reading applies (what the guard enforces).  On a stack where a user's
+    ``replace = true`` contract may apply, it stands for the shipped ones (``is_shipped``)."""
     readings: list[Reading] = []
     unknown_all: set[str] = set()
     for si, env in enumerate(stacks):
         verdicts = [(c, _versions.applies(c.when, env)) for c in candidates]
+        if any(c.replace and not is_shipped(c) and ok is not False for c, ok in verdicts):
+            verdicts = [(c, ok) for c, ok in verdicts if not is_shipped(c)]
         sure = [c for c, ok in verdicts if ok is True]
         maybe = [c for c, ok in verdicts if ok is None]
         if not maybe:

@@ -193,7 +193,8 @@ class Report:
         for r in firsts:
             if r.shown:  # the full text was a warning at the call: one line here, not twice
                 lines.append("  " + r.message.splitlines()[0])
-                lines.append(f"    (shown in full as a warning at {r.call_site})")
+                shown = "raised (strict)" if r.mode == "strict" else "a warning"
+                lines.append(f"    (shown in full as {shown} at {r.call_site})")
             else:
                 lines.extend("  " + ln for ln in r.message.splitlines())
             lines.extend(_nested_text(r))
@@ -480,22 +481,22 @@ def metadata(*, rank: int | None = None) -> dict[str, Any]:
     }
 
 
-def write_report(path: str, rep: Report | None = None) -> str:
-    """Write the report as JSON (one file per rank when distributed), with its ``metadata``;
-    returns the path."""
-    import os
+def write_report(path: str, rep: Report | None = None, *,
+                 extra: dict[str, Any] | None = None, option: str = "report") -> str:
+    """Write the report as strict JSON (one file per rank when distributed; ``"-"``: stdout),
+    with its ``metadata`` and the ``extra`` sections; returns the path.  ``OutputError``
+    naming ``option`` and the path when it cannot be written."""
+    from .._jsonout import json_text, to_stdout, write_json, write_text
 
     rep = report() if rep is None else rep
     rank = current_rank()
     data = rep.to_dict()  # with the metadata of this process (or the one it was read with)
     data["rank"] = rank
-    out = report_path_for_rank(path, rank)
-    d = os.path.dirname(out)
-    if d:
-        os.makedirs(d, exist_ok=True)
-    with open(out, "w", encoding="utf-8") as f:
-        f.write(json.dumps(data, indent=2))
-    return out
+    data.update(extra or {})
+    if to_stdout(path):
+        write_json(path, data)
+        return path
+    return write_text(report_path_for_rank(path, rank), json_text(data), option)
 
 
 def read_report_file(path: str) -> dict[str, Any]:

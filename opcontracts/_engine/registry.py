@@ -8,6 +8,7 @@ unknown, their intersection (every rule of every candidate: the strictest readin
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections.abc import Callable, Iterable
@@ -118,27 +119,109 @@ def shipped_contracts_dir() -> Path:
 
 def register(contracts: Contract | Iterable[Contract], *, replace: bool = False) -> None:
     """Add contracts to the registry.  With ``replace``, contracts for the same op (and the
-    same ``when``) are replaced instead of raising."""
+    same ``when``, from the same side: shipped or the user's) are replaced instead of raising.
+
+    A user's contract (any contract not from the shipped packs) never replaces a shipped one:
+    both apply, and a call must satisfy both, unless the user's contract says ``replace =
+    true`` (``Contract.replace``).  A user's contract whose dtype set for an argument shares
+    nothing with that of another contract of the op that applies here too is refused with a
+    ``ContractFileError`` naming both files (no call could satisfy both)."""
     from ..spec import Contract
 
     items = [contracts] if isinstance(contracts, Contract) else list(contracts)
     with _lock:
-        for c in items:
-            lst = _by_op.setdefault(c.op, [])
-            same = [i for i, old in enumerate(lst) if old.when == c.when]
-            if same:
-                if not replace and lst[same[0]] != c:
+        before = {op: list(lst) for op, lst in _by_op.items()}  # nothing half-registered
+        try:
+            for c in items:
+                side = is_shipped(c)
+                lst = _by_op.setdefault(c.op, [])
+                same = [i for i, old in enumerate(lst)
+                        if old.when == c.when and is_shipped(old) == side]
+                if same and not replace and lst[same[0]] != c:
                     old = lst[same[0]]
                     raise OpContractsError(
                         f"two contracts for op {c.op!r} with the same 'when' "
-                        f"({old.file or 'inline'} and {c.file or 'inline'}); give them different "
-                        "'when' conditions or register with replace=True"
+                        f"({old.file or 'inline'} and {c.file or 'inline'}); give them "
+                        "different 'when' conditions or register with replace=True"
                     )
-                lst[same[0]] = c
-            else:
-                lst.append(c)
+                if not side:
+                    _refuse_disjoint(c)
+                if same:
+                    lst[same[0]] = c
+                else:
+                    lst.append(c)
+        except OpContractsError:
+            _by_op.clear()
+            _by_op.update(before)
+            raise
         if items:
             _changed()
+
+
+_shipped_root: str | None = None
+
+
+def is_shipped(c: Contract) -> bool:
+    """Whether ``c`` comes from the shipped packs (its file lies in ``shipped_contracts_dir``)."""
+    global _shipped_root
+    if c.file is None:
+        return False
+    if _shipped_root is None:
+        _shipped_root = str(shipped_contracts_dir().resolve()) + os.sep
+    try:
+        return str(Path(c.file).resolve()).startswith(_shipped_root)
+    except OSError:  # pragma: no cover - an unresolvable path is no shipped file
+        return False
+
+
+def _dtype_sets(args: Any) -> dict[str, frozenset[str]]:
+    """Argument -> its dtype set (canonical names), for the arguments that have one."""
+    from .._lang.dtypes import dtype_name, parse_dtype
+
+    out: dict[str, frozenset[str]] = {}
+    for name, a in (args or {}).items():
+        raw = a.get("dtype") if isinstance(a, dict) else a.dtype
+        if raw:
+            items = [raw] if isinstance(raw, str) else list(raw)
+            try:
+                out[name] = frozenset(dtype_name(parse_dtype(x)) for x in items)
+            except ValueError:  # pragma: no cover - the shipped files are validated by the suite
+                continue
+    return out
+
+
+def _refuse_disjoint(c: Contract) -> None:
+    """``ContractFileError`` when a dtype set of the user's contract ``c`` shares nothing with
+    that of a contract it would be merged with here (the shipped ones, read from the index so
+    they need not be validated yet, unless a user's ``replace = true`` contract stands in for
+    them; other user files').  Called with ``_lock`` held."""
+    from ..errors import FileProblem
+
+    env = versions.current()
+    if c.replace or versions.applies(c.when, env) is False:
+        return
+    mine = _dtype_sets(c.args)
+    if not mine:
+        return
+    users = [o for o in _by_op.get(c.op, ()) if not is_shipped(o) and o.file != c.file
+             and o.when != c.when  # (the one ``c`` replaces)
+             and versions.applies(o.when, env) is not False]
+    others: list[tuple[str, dict[str, frozenset[str]]]] = [
+        (o.file or "inline", _dtype_sets(o.args)) for o in users]
+    if not any(o.replace for o in users):
+        others += [(e.file, _dtype_sets(e.args)) for e in shipped_index()
+                   if e.op == c.op and versions.applies(e.when, env) is not False]
+    problems = []
+    for file, theirs in others:
+        for name, dts in mine.items():
+            if name in theirs and not dts & theirs[name]:
+                problems.append(FileProblem(
+                    f"dtype {sorted(dts)} shares no dtype with {sorted(theirs[name])} in {file}, "
+                    "which applies here too: no call can satisfy both (a user's contract adds "
+                    "to the others); to use yours instead, say replace = true in it",
+                    c.file, c.op, f"args.{name}.dtype"))
+    if problems:
+        raise ContractFileError.of(problems)
 
 
 def unregister(op: str) -> None:
@@ -178,8 +261,8 @@ def resolve(op: str) -> Contract | None:
         if op in _resolved:
             return _resolved[op]
         lst = _by_op.get(op)
-        if not lst and not _shipped_loaded:
-            load_shipped()  # shipped packs are validated on first need
+        if not _shipped_loaded and (not lst or any(e.op == op for e in shipped_index())):
+            load_shipped()  # validated on first need (a user's contract adds to them)
             lst = _by_op.get(op)
         if not lst:
             raise UnknownOpError(f"no contract registered for op {op!r}", op=op)
@@ -187,7 +270,7 @@ def resolve(op: str) -> Contract | None:
 
         targets = _targets.declared()[0]
         found = resolve_readings(op, lst, _targets.stacks(versions.current(), targets), targets,
-                                 merge_contracts)
+                                 merge_contracts, is_shipped)
         _resolutions[op] = found
         _resolved[op] = found.strict
         return found.strict
@@ -213,7 +296,7 @@ def resolution_on(op: str, targets: tuple[_targets.Target, ...]) -> Resolution:
 
     resolve(op)  # loads the shipped packs on a miss; raises for an unknown op
     return resolve_readings(op, candidates(op), _targets.stacks(versions.current(), targets),
-                            targets, merge_contracts)
+                            targets, merge_contracts, is_shipped)
 
 
 def resolution_of(contract: Contract | None) -> Resolution | None:
@@ -345,6 +428,8 @@ class IndexEntry:
     targets: tuple[str, ...]
     when: dict[str, Any] | None
     file: str
+    args: dict[str, Any] | None = None
+    """the raw argument tables (for the dtype-overlap check of users' contracts)"""
 
 
 _index: list[IndexEntry] | None = None
@@ -365,7 +450,9 @@ def shipped_index() -> list[IndexEntry]:
                 for t in data.get("contract", []):
                     targets = t.get("targets", ())
                     targets = (targets,) if isinstance(targets, str) else tuple(targets)
-                    out.append(IndexEntry(str(t.get("op")), targets, t.get("when"), str(f)))
+                    args = t.get("args")
+                    out.append(IndexEntry(str(t.get("op")), targets, t.get("when"), str(f),
+                                          args if isinstance(args, dict) else None))
             _index = out
         return list(_index)
 

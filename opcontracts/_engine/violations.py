@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -294,18 +295,20 @@ class _Bound:
         return v if index is None else v[index]
 
 
-_pos_cache: dict[int, dict[str, int]] = {}
+# by the compiled contract itself (weakly): an id could be reused by a newer one
+_pos_cache: weakref.WeakKeyDictionary[CompiledContract, dict[str, int]] = \
+    weakref.WeakKeyDictionary()
 
 
 def _positions(cc: CompiledContract) -> dict[str, int]:
-    pos = _pos_cache.get(id(cc))
+    pos = _pos_cache.get(cc)
     if pos is None:
         pos = {}
         for i, p in enumerate(cc.params):
             if p.kind not in ("POSITIONAL_ONLY", "POSITIONAL_OR_KEYWORD"):
                 break
             pos[p.name] = i
-        _pos_cache[id(cc)] = pos
+        _pos_cache[cc] = pos
     return pos
 
 
@@ -461,6 +464,8 @@ def _violated(m: _modes.Mode, cc: CompiledContract, fn: Callable[..., Any],
         _emit(entry)
         _report_mod.mark_shown(key)
         return call_within(key, fn, args, kwargs)
+    # strict: the exception carries the whole message; the end-of-run report gives its line
+    _report_mod.mark_shown((exc.op, exc.arg, exc.rule, str(site) if site else "?", m.value))
     raise exc
 
 

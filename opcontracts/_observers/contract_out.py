@@ -44,24 +44,52 @@ def _value(v: Any) -> str:
     raise TypeError(f"cannot write {type(v).__name__} {v!r} as TOML")
 
 
+def _table(c: Mapping[str, Any]) -> list[str]:
+    out = ["[[contract]]"]
+    for k, v in c.items():
+        if k == "args" or v is None:
+            continue
+        out.append(f"{_key(k)} = {_value(v)}")
+    for name, fields in dict(c.get("args", {})).items():
+        out.append("")
+        out.append(f"[contract.args.{_key(name)}]")
+        for k, v in fields.items():
+            if v is not None:
+                out.append(f"{_key(k)} = {_value(v)}")
+    return out
+
+
+def _problem(c: Mapping[str, Any], text: str) -> str | None:
+    """Why the table ``text`` written for ``c`` would not load, or None."""
+    from ..errors import ContractFileError
+    from ..spec import contracts_from_toml
+
+    if not c.get("args"):
+        return "no rule to write (no argument gave one)"
+    try:
+        contracts_from_toml(text, "<written>")
+    except ContractFileError as exc:
+        return str(exc).replace("<written>: ", "").replace("\n", "; ")
+    return None
+
+
 def dumps_contracts(contracts: Sequence[Mapping[str, Any]], header: Sequence[str] = ()) -> str:
     """``[[contract]]`` tables for plain-data contracts (``op``, ``targets``, ``source``,
-    ``when``, ``doc``, ``args``: name -> field -> value); ``header`` lines become comments."""
+    ``when``, ``doc``, ``args``: name -> field -> value); ``header`` lines become comments.
+
+    Every table written loads (``load_contracts``): each is read back before it is kept, and
+    one that would not load (no rule at all, a name no checker can take) is left out with a
+    comment that says why, so a generated file never stops the next job."""
     out = [f"# {line}".rstrip() for line in header]
     for c in contracts:
+        table = _table(c)
+        why = _problem(c, "\n".join(table) + "\n")
         if out:
             out.append("")
-        out.append("[[contract]]")
-        for k, v in c.items():
-            if k == "args" or v is None:
-                continue
-            out.append(f"{_key(k)} = {_value(v)}")
-        for name, fields in dict(c.get("args", {})).items():
-            out.append("")
-            out.append(f"[contract.args.{_key(name)}]")
-            for k, v in fields.items():
-                if v is not None:
-                    out.append(f"{_key(k)} = {_value(v)}")
+        if why is not None:
+            out.append(f"# {c.get('op')}: not written: {why}")
+            continue
+        out.extend(table)
     return "\n".join(out) + "\n"
 
 

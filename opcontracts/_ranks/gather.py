@@ -37,6 +37,7 @@ from .._engine.records import (
     read_report_file,
     table_lines,
 )
+from .._jsonout import to_stdout, write_json
 
 __all__ = ["gather_report", "merge_files", "format_merged", "cmd_merge", "ReportFile",
            "read_files", "merge_nan"]
@@ -121,7 +122,15 @@ def _expand(paths: Sequence[str]) -> list[str]:
         if os.path.isdir(p):
             per_rank = [f for f in glob.glob(os.path.join(p, "*.rank*.json"))
                         if _RANK_FILE.search(os.path.basename(f))]
-            out.extend(sorted(per_rank) or sorted(glob.glob(os.path.join(p, "*.json"))))
+            taken = sorted(per_rank) or sorted(glob.glob(os.path.join(p, "*.json")))
+            out.extend(taken)
+            left = sorted(f for f in glob.glob(os.path.join(p, "*"))
+                          if f not in taken and os.path.isfile(f)
+                          and ".json" in os.path.basename(f))
+            if left:  # a partial or stray report next to them: say it, never skip it silently
+                print(f"opcontracts report merge: {p}: not merged (not per-rank report files "
+                      f"*.rank<R>.json): {', '.join(os.path.basename(f) for f in left)}",
+                      file=sys.stderr)
         elif not os.path.exists(p) and glob.has_magic(p):
             out.extend(sorted(glob.glob(p)))
         else:
@@ -416,7 +425,9 @@ def cmd_merge(ns: argparse.Namespace) -> int:
     nan = merge_nan(files)
     disagreements = _version_disagreements(files)
     checked, compared, run_lines = merge_run_sections(files)
-    print("\n".join([format_merged(merged, ranks, len(paths), nan, disagreements), *run_lines]))
+    if not to_stdout(ns.json):
+        print("\n".join([format_merged(merged, ranks, len(paths), nan, disagreements),
+                         *run_lines]))
     if ns.json:
         data = merged.to_dict()
         data["metadata"] = metadata()  # the merge's own; each file's is under "sources"
@@ -432,9 +443,5 @@ def cmd_merge(ns: argparse.Namespace) -> int:
             data["checked"] = checked
         if compared is not None:
             data["shadow_compare"] = compared
-        d = os.path.dirname(ns.json)
-        if d:
-            os.makedirs(d, exist_ok=True)
-        with open(ns.json, "w", encoding="utf-8") as f:
-            f.write(json.dumps(data, indent=2))
+        write_json(ns.json, data)
     return 0

@@ -219,22 +219,25 @@ class Judge:
         v = res.judge(params, args, kwargs, compiled_for)
         on: str | None = None
         depends: tuple[str, ...] = ()
-        if v.decided is not None:
-            reading = v.decided[0]
+        if v is None:  # the readings cannot judge the call: the strict verdict stands
+            assert res.strict is not None
+            contract = res.strict
+        elif v.decided is not None:
+            contract = v.decided[0].contract
             if len(res.targets) > 1:
-                on = res.stack_label(reading.stack)
+                on = res.stack_label(v.decided[0].stack)
         elif v.conditional:
-            reading = v.rejected[0][0]
+            contract = v.rejected[0][0].contract
             depends = tuple(dict.fromkeys(
                 (f"{res.stack_label(r.stack)}: " if res.targets else "") + (r.label or "every stack")
                 for r, _ in v.rejected))
         else:
             return []
-        exc = explain_call(compiled_for(reading.contract, params), args, kwargs)
+        exc = explain_call(compiled_for(contract, params), args, kwargs)
         if exc is None or _opaque(exc, params, args, kwargs):
             return []
-        return [Verdict("violation" if v.decided is not None else "conditional", exc, depends,
-                        on)]
+        return [Verdict("conditional" if v is not None and v.decided is None else "violation",
+                        exc, depends, on)]
 
 
 def _sig(values: Any) -> Any:

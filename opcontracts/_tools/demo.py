@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
-import json
 import linecache
 import math
 import sys
@@ -55,7 +54,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from .._engine.records import aligned
 
@@ -868,12 +867,13 @@ def _violations_text(report: dict[str, Any]) -> str:
     return "\n".join([head, *("  " + ln for ln in table_lines(recs))])
 
 
-def _write_json(path: str, data: dict[str, Any]) -> None:
-    p = Path(path)
-    if p.parent != Path(""):
-        p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(data, indent=2, allow_nan=False) + "\n", encoding="utf-8")
-    print(f"results written to {p}")
+def _write_json(path: str, data: dict[str, Any], out: IO[str] | None = None) -> None:
+    """``--json``: to ``out`` (the real stdout; the demo's text went to stderr) or a file."""
+    from .._jsonout import to_stdout, write_json
+
+    write_json(path, data, stdout=out)
+    if not to_stdout(path):
+        print(f"results written to {path}")
 
 
 # --------------------------------------------------------------------------- command line
@@ -881,13 +881,26 @@ def run(ns: argparse.Namespace) -> int:
     """Run the demo from the arguments ``opcontracts demo`` parsed (the parser is the CLI's); the exit status (0: as described, 1: not, 2:
     cannot run here).  Under a launcher (``torchrun``: ``RANK`` and ``WORLD_SIZE`` set) this
     process is one rank of the job and runs its part in place; with ``--ranks N`` it starts
-    the N processes itself; otherwise it runs the single-process demo."""
-    from .demo_dist import under_launcher
+    the N processes itself; otherwise it runs the single-process demo.  With ``--json`` (or
+    ``--json -``) the JSON alone goes to stdout, the text to stderr."""
+    from .._jsonout import to_stdout
+
+    if not to_stdout(getattr(ns, "json", None)):
+        return _run(ns, None)
+    out = sys.stdout
+    with contextlib.redirect_stdout(sys.stderr):
+        return _run(ns, out)
+
+
+def _run(ns: argparse.Namespace, out: IO[str] | None) -> int:
+    from .demo_dist import fsdp2_missing, under_launcher
 
     ranks: int | None = getattr(ns, "ranks", None)
     fsdp: int | None = getattr(ns, "fsdp", None)
     world = under_launcher()
     try:
+        if fsdp == 2 and (why := fsdp2_missing()) is not None:
+            raise _CannotRun(why)
         if world is not None:
             if ranks is not None and ranks != world:
                 raise _CannotRun(f"--ranks {ranks}, but this process is one rank of a job of "
@@ -918,5 +931,5 @@ def run(ns: argparse.Namespace) -> int:
                                                           if not s.ok))
     print(f"{verdict}; wall time {result.wall_s:.2f} s")
     if ns.json:
-        _write_json(ns.json, result.to_dict())
+        _write_json(ns.json, result.to_dict(), out)
     return 0 if result.ok else 1

@@ -107,6 +107,24 @@ def process_group(timeout_s: float = TIMEOUT_S) -> Iterator[tuple[int, int]]:
         dist.destroy_process_group()
 
 
+FSDP2_NEEDS = "2.6"
+"""the first torch whose ``torch.distributed.fsdp`` has the public ``fully_shard`` (FSDP2); the
+package itself needs torch 2.4 (``torch.library.register_fake``), and the demo's --fsdp 2 says
+so on an older one rather than raising the floor for everyone"""
+
+
+def fsdp2_missing() -> str | None:
+    """Why ``--fsdp 2`` cannot run with this torch, or None."""
+    import torch
+    import torch.distributed.fsdp as fsdp
+
+    if hasattr(fsdp, "fully_shard"):
+        return None
+    return (f"--fsdp 2 needs torch >= {FSDP2_NEEDS} (the public "
+            f"torch.distributed.fsdp.fully_shard); this is torch {torch.__version__}: use "
+            "--fsdp 1 (FullyShardedDataParallel), or a newer torch")
+
+
 def shard(model: Any, block: type[Any], fsdp: int) -> Any:
     """``model`` sharded with FSDP ``fsdp`` (1 or 2), one unit per ``block`` instance plus the
     root; returns the module to call (FSDP1 wraps, FSDP2 changes the module in place)."""

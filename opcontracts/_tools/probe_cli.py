@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
-import json
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
+
+from .._jsonout import add_json_option, check_writable, to_stdout, write_json, write_text
 
 __all__ = ["add_parser"]
 
@@ -37,7 +37,7 @@ def add_parser(sub: Any) -> None:
                    "mindspeed.npu_gmm); torch.ops.npu.X and torch_npu.X are accepted")
     p.add_argument("--all", action="store_true", help="every op that has a reference with "
                    "example inputs")
-    p.add_argument("--json", metavar="FILE", help="also write the measurements as JSON")
+    add_json_option(p, "the measurements")
     p.add_argument("--write-contract", metavar="FILE",
                    help="write the measured dtype rules as a contract file whose `when` pins "
                    "the detected torch_npu / CANN / SoC")
@@ -97,38 +97,54 @@ def _cmd_probe(ns: argparse.Namespace) -> int:
     ops = list(ns.ops)
     if ns.all:
         ops += [n for n in reference.names() if reference.get(n).example is not None]  # type: ignore[union-attr]
+    probeable = [n for n in reference.names() if reference.get(n).example is not None]  # type: ignore[union-attr]
     if not ops:
-        print("opcontracts probe: name an op (or --all); probe-able: "
-              + ", ".join(n for n in reference.names()
-                          if reference.get(n).example is not None), file=sys.stderr)  # type: ignore[union-attr]
+        print("opcontracts probe: name an op (or --all); probe-able: " + ", ".join(probeable),
+              file=sys.stderr)
         return 2
+    if ns.write_contract:
+        check_writable(ns.write_contract, "--write-contract")  # before the runs
     from ..probe import probe
 
     try:
         with _kernels(ns.profile):
             reports = [probe(op, seed=ns.seed) for op in dict.fromkeys(ops)]
+            # while the kernels are in place: the versions their `when` and `source` name
+            measured = [r.contract() for r in reports] if ns.write_contract else []
     except (LookupError, ValueError) as exc:
-        print(f"opcontracts probe: {exc}", file=sys.stderr)
+        msg = str(exc)
+        unknown = [op for op in ops if op not in probeable and msg.find(repr(op)) >= 0]
+        if unknown:  # a typo: the near matches, not every name
+            import difflib
+
+            near = difflib.get_close_matches(unknown[0], probeable, n=5, cutoff=0.5) or \
+                [n for n in probeable if unknown[0].lower() in n.lower()][:5]
+            msg = (f"no reference with example inputs for {unknown[0]!r}"
+                   + (f"; near matches: {', '.join(near)}" if near else "")
+                   + " (`opcontracts probe` without an op lists them all)")
+        print(f"opcontracts probe: {msg}", file=sys.stderr)
         return 2
+    text = to_stdout(ns.json)
+    out = sys.stderr if text else sys.stdout  # --json on stdout: the tables go to stderr
     for i, r in enumerate(reports):
         if i:
-            print()
-        print(r.table())
+            print(file=out)
+        print(r.table(), file=out)
     total = sum(r.seconds for r in reports)
     print(f"\n{len(reports)} op(s) probed, {sum(len(r.cells) for r in reports)} run(s) in "
-          f"{total:.2f} s")
+          f"{total:.2f} s", file=out)
     if ns.json:
-        _write(ns.json, json.dumps({"ops": [r.to_dict() for r in reports], "seconds": total},
-                                   indent=2) + "\n")
-        print(f"measurements written to {ns.json}")
+        write_json(ns.json, {"ops": [r.to_dict() for r in reports], "seconds": total})
+        if not text:
+            print(f"measurements written to {ns.json}")
     if ns.write_contract:
         from .._observers.contract_out import dumps_contracts, utc_now
 
         header = [f"Measured by `opcontracts probe` on {utc_now()}: {len(reports)} op(s).",
                   "Loaded through OPCONTRACTS_CONTRACTS each applies where its `when` holds, "
-                  "merged with the shipped contract (strictest reading)."]
-        _write(ns.write_contract, dumps_contracts([r.contract() for r in reports], header))
-        print(f"measured contract written to {ns.write_contract}")
+                  "on top of the shipped contract (a call must satisfy both)."]
+        write_text(ns.write_contract, dumps_contracts(measured, header), "--write-contract")
+        print(f"measured contract written to {ns.write_contract}", file=out)
     dangerous = [(r.op, c) for r in reports for c in r.claimed_but_wrong]
     if dangerous:
         print(f"\n{len(dangerous)} dtype(s) the contract allows are computed wrong: the "
@@ -136,9 +152,3 @@ def _cmd_probe(ns: argparse.Namespace) -> int:
         return 1
     return 0
 
-
-def _write(path: str, text: str) -> None:
-    p = Path(path)
-    if p.parent != Path(""):
-        p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(text, encoding="utf-8")

@@ -22,7 +22,6 @@ traceback) for an uncaught exception, 130 for Ctrl-C.
 
 from __future__ import annotations
 
-import json
 import os
 import runpy
 import sys
@@ -32,6 +31,9 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from .._jsonout import check_writable
+from ..errors import OpContractsError
+
 if TYPE_CHECKING:
     from .._observers.stats import CallStats
     from ..compare import ShadowCompare
@@ -40,16 +42,25 @@ if TYPE_CHECKING:
 
 __all__ = ["RunOptions", "UsageError", "main", "parse", "run"]
 
-USAGE = ("usage: opcontracts run [--mode MODE] [--nan-check] [--compare [RATE]] "
-         "[--record FILE [--record-target mod.fn]] [--report FILE] [--quiet] "
-         "(script.py | -m module) [args ...]")
+USAGE = ("usage: opcontracts run [-h] [--mode MODE] [--contracts PATH] [--nan-check] "
+         "[--compare [RATE]] [--record FILE [--record-target mod.fn] [--record-violations]] "
+         "[--report FILE] [--json [FILE]] [-q] (script.py | -m module) [args ...]")
 HELP = f"""{USAGE}
 
 Run a Python script (or a module with -m) with opcontracts.patch applied, as python would run it,
-and print the contract violation report to stderr when it ends.
+and print the contract violation report to stderr when it ends.  The options go before the
+script name; everything after it goes to the script.
 
-options (before the script name; everything after it goes to the script):
+positional arguments:
+  script.py        the script to run (or -m module); every word after it goes to the script
+  args             the script's own arguments
+
+options:
+  -h, --help       show this help message and exit
   --mode MODE      strict, warn, fix or off (default: OPCONTRACTS_MODE, else warn)
+  --contracts PATH also load the contracts of this file or folder (repeatable; added to the
+                   shipped ones, as OPCONTRACTS_CONTRACTS is, and passed on to the processes
+                   the script starts); a file with a problem stops the run (exit status 2)
   --nan-check      watch the guarded ops for the first one that produces NaN/inf
                    (opcontracts.nan); its finding is printed with the report
   --compare [RATE] compare guarded calls with their plain-PyTorch references (forward and
@@ -60,16 +71,19 @@ options (before the script name; everything after it goes to the script):
                    OPCONTRACTS_CONTRACTS=FILE to flag any drift)
   --record-target mod.fn
                    also record calls of this callable (no contract needed; repeatable)
+  --record-violations
+                   also record the calls that break a contract (by default each is warned
+                   about and left out: a golden file never pins a dtype the rules reject)
   --report FILE    also write the report as JSON (FILE.rank{{R}}.json per rank when distributed)
-  --quiet          print nothing at exit unless there is a contract violation, a NaN finding or
-                   a divergence (suppressed: the "no contract violations" line, the summary of
-                   what was checked, the all-clear paragraphs of --nan-check and --compare, and
-                   the "report written" / "recorded" lines; the files are still written)
+  --json [FILE]    the report as JSON: in FILE (as --report), or on stdout (bare --json, or
+                   --json -: after the script's own output, rank 0 only)
+  -q, --quiet      at exit, one line when there is a contract violation, a NaN finding or a
+                   divergence, nothing otherwise (the files are still written)
   -m module        run a library module as a script (like python -m)
-  -h, --help       show this help
 
 exit status: the script's own (SystemExit code; 1 on an uncaught exception; 130 on Ctrl-C);
-2 for a usage error or a script that cannot be opened.
+2 for a usage error, a script or module that cannot be opened, a --contracts file with a
+problem, or an output (--report, --record, --json) that cannot be written.
 """
 
 _MODES = ("strict", "warn", "fix", "off")
@@ -89,8 +103,11 @@ class RunOptions:
     compare: float | None = None  # the sample rate, None: off
     record: str | None = None
     record_targets: list[str] = field(default_factory=list)
+    record_violations: bool = False
     quiet: bool = False
     report: str | None = None
+    json: str | None = None  # "-": stdout
+    contracts: list[str] = field(default_factory=list)
     help: bool = False
 
 
@@ -124,14 +141,16 @@ def parse(argv: Sequence[str]) -> RunOptions:
         elif w == "--compare" or w.startswith("--compare="):
             opts.compare = 1.0
             raw = w.split("=", 1)[1] if "=" in w else None
-            if raw is None and i + 1 < len(words) and _is_rate(words[i + 1]):
-                i += 1
+            if raw is None and i + 1 < len(words) and _is_number(words[i + 1]):
+                i += 1  # a number after --compare is its rate (1.5 is a wrong one, no script)
                 raw = words[i]
             if raw is not None:
                 if not _is_rate(raw):
                     raise UsageError(f"--compare: the rate must be a number in [0, 1], "
                                      f"got {raw!r}")
                 opts.compare = float(raw)
+        elif w == "--record-violations":
+            opts.record_violations = True
         elif w == "--record" or w.startswith("--record="):
             opts.record = value("--record", w)
         elif w == "--record-target" or w.startswith("--record-target="):
@@ -139,11 +158,27 @@ def parse(argv: Sequence[str]) -> RunOptions:
             if "." not in t or not all(part.isidentifier() for part in t.split(".")):
                 raise UsageError(f"--record-target: expected a dotted path such as "
                                  f"'mypkg.model.route', got {t!r}")
+            if t.split(".")[0] == "__main__":
+                raise UsageError(f"--record-target {t}: the script's own functions cannot be "
+                                 "watched (it is not a module that can be patched before it "
+                                 "runs); move the function into a module the script imports")
             opts.record_targets.append(t)
-        elif w == "--quiet":
+        elif w in ("--quiet", "-q"):
             opts.quiet = True
         elif w == "--report" or w.startswith("--report="):
             opts.report = value("--report", w)
+        elif w == "--json" or w.startswith("--json="):
+            raw = w.split("=", 1)[1] if "=" in w else None
+            nxt = words[i + 1] if i + 1 < len(words) else None
+            # --json FILE, unless the next word is the script (a .py file), an option or the
+            # last word (then bare --json: stdout)
+            if raw is None and nxt is not None and i + 2 < len(words) \
+                    and not nxt.endswith(".py") and (nxt == "-" or not nxt.startswith("-")):
+                i += 1
+                raw = nxt
+            opts.json = raw or "-"
+        elif w == "--contracts" or w.startswith("--contracts="):
+            opts.contracts.append(value("--contracts", w))
         elif w == "-m" or (w.startswith("-m") and len(w) > 2 and not w.startswith("--")):
             opts.module = w[2:] if len(w) > 2 else value("-m", w)
             opts.args = words[i + 1:]
@@ -163,15 +198,22 @@ def parse(argv: Sequence[str]) -> RunOptions:
 
 
 def _is_rate(word: str) -> bool:
+    return _is_number(word) and 0.0 <= float(word) <= 1.0
+
+
+def _is_number(word: str) -> bool:
     try:
-        return 0.0 <= float(word) <= 1.0
+        float(word)
     except ValueError:
         return False
+    return True
 
 
 def _check(opts: RunOptions) -> RunOptions:
     if opts.record_targets and opts.record is None:
         raise UsageError("--record-target needs --record FILE (where to write the golden run)")
+    if opts.record_violations and opts.record is None:
+        raise UsageError("--record-violations needs --record FILE")
     return opts
 
 
@@ -200,11 +242,27 @@ def _exit_status(exc: SystemExit) -> int:
 
 
 def _user_traceback(exc: BaseException) -> TracebackType | None:
-    """The traceback without this module's and runpy's frames, as python shows it."""
+    """The traceback without this module's and runpy's frames, as python shows it; for a
+    contract violation, without opcontracts' frames at its end either (the guard's raise): it
+    ends at the user's call."""
+    from ..errors import ContractViolation
+
     tb = exc.__traceback__
     while tb is not None and tb.tb_frame.f_globals.get("__name__") in (__name__, "runpy"):
         tb = tb.tb_next
-    return tb
+    if not isinstance(exc, ContractViolation):
+        return tb
+    frames = []
+    while tb is not None:
+        frames.append(tb)
+        tb = tb.tb_next
+    while len(frames) > 1 and str(frames[-1].tb_frame.f_globals.get("__name__", "")) \
+            .startswith("opcontracts."):
+        frames.pop()
+    out: TracebackType | None = None
+    for t in reversed(frames):
+        out = TracebackType(out, t.tb_frame, t.tb_lasti, t.tb_lineno)
+    return out
 
 
 def _print_exception(exc: BaseException) -> None:
@@ -215,17 +273,8 @@ def _execute(opts: RunOptions) -> int:
     """Run the script in this process; its exit status."""
     try:
         if opts.module is not None:
-            import importlib.util
-
             sys.argv = [opts.module, *opts.args]  # run_module puts the file in argv[0]
             sys.path[0] = os.getcwd()
-            try:
-                found = importlib.util.find_spec(opts.module) is not None
-            except (ImportError, ValueError):
-                found = False
-            if not found:
-                print(f"opcontracts run: No module named {opts.module}", file=sys.stderr)
-                return 1
             runpy.run_module(opts.module, run_name="__main__", alter_sys=True)
         else:
             assert opts.script is not None
@@ -243,6 +292,22 @@ def _execute(opts: RunOptions) -> int:
     return 0
 
 
+def _module_found(name: str) -> bool:
+    """Whether ``-m name`` names a module (looked up from the current folder, as python -m)."""
+    import importlib.util
+
+    added = os.getcwd() not in sys.path
+    if added:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+    finally:
+        if added:
+            sys.path.remove(os.getcwd())
+
+
 def run(opts: RunOptions) -> int:
     """Apply the patch and the mode, run the script, report; process state is restored
     afterwards (``sys.argv``, ``sys.path[0]``, the mode, the patch if it was not applied)."""
@@ -250,6 +315,25 @@ def run(opts: RunOptions) -> int:
         print(f"opcontracts run: can't open file {os.path.abspath(opts.script)!r}: "
               "[Errno 2] No such file or directory", file=sys.stderr)
         return 2
+    if opts.module is not None and not _module_found(opts.module):
+        print(f"opcontracts run: No module named {opts.module}", file=sys.stderr)
+        return 2
+    try:  # an output that cannot be written is said now, not after hours of work
+        for path, flag in ((opts.report, "--report"), (opts.record, "--record"),
+                           (opts.json, "--json")):
+            if path is not None:
+                check_writable(path, flag)
+    except OpContractsError as exc:
+        print(f"opcontracts run: {exc}", file=sys.stderr)
+        return 2
+    if opts.contracts:  # named on the command line: a bad file stops the run here
+        from .._attach.use import use
+
+        try:
+            use(*opts.contracts)
+        except OpContractsError as exc:
+            print(f"opcontracts run: --contracts: {exc}", file=sys.stderr)
+            return 2
     patch_mod = sys.modules.get("opcontracts.patch")
     was_patched = patch_mod is not None and patch_mod.is_applied()
     import opcontracts.patch as patch
@@ -257,6 +341,10 @@ def run(opts: RunOptions) -> int:
     from .._lang import modes
 
     patch.apply()
+    saved_contracts = os.environ.get("OPCONTRACTS_CONTRACTS")
+    if opts.contracts:  # the processes the script starts (torchrun workers) load them too
+        os.environ["OPCONTRACTS_CONTRACTS"] = os.pathsep.join(
+            [*(os.path.abspath(p) for p in opts.contracts), *filter(None, [saved_contracts])])
     saved_argv, saved_path0 = list(sys.argv), (sys.path[0] if sys.path else None)
     if not sys.path:
         sys.path.append("")
@@ -275,13 +363,18 @@ def run(opts: RunOptions) -> int:
         sys.argv = saved_argv
         if saved_path0 is not None:
             sys.path[0] = saved_path0
+        _finish(opts, results)  # in the run's mode: the report file says which it was
         if prev_mode is not None:
             modes.set_mode(prev_mode)
             if saved_env is None:
                 os.environ.pop("OPCONTRACTS_MODE", None)
             else:
                 os.environ["OPCONTRACTS_MODE"] = saved_env
-        _finish(opts, results)
+        if opts.contracts:
+            if saved_contracts is None:
+                os.environ.pop("OPCONTRACTS_CONTRACTS", None)
+            else:
+                os.environ["OPCONTRACTS_CONTRACTS"] = saved_contracts
         if not was_patched:
             patch.unpatch()
     return status
@@ -327,11 +420,12 @@ class _Watchers:
             from ..record import Recorder
 
             watch = {t: t for t in self.opts.record_targets}
+            rv = self.opts.record_violations
             try:
-                self.recorder = Recorder(watch=watch).enable()
+                self.recorder = Recorder(watch=watch, record_violations=rv).enable()
             except layer.WatchError as exc:
                 self.problems.append(f"--record-target: {exc}")
-                self.recorder = Recorder().enable()
+                self.recorder = Recorder(record_violations=rv).enable()
 
     def stop(self) -> _Results:
         from .._observers import layer
@@ -391,6 +485,14 @@ def _finish(opts: RunOptions, res: _Results) -> None:
         res.stats.ranks = [rank]
     notes: list[str] = []
     if res.recorder is not None and opts.record:
+        seen = res.recorder.calls()
+        patch = sys.modules.get("opcontracts.patch")
+        missing = patch.missing() if patch is not None else {}
+        for t in opts.record_targets:
+            if not seen.get(t):  # named, never recorded: say why rather than nothing
+                why = missing.get(t) or "never called (or reached through a name bound " \
+                    "before the patch)"
+                res.problems.append(f"--record-target {t}: no call recorded: {why}")
         try:
             golden = res.recorder.write(_report.report_path_for_rank(opts.record, rank),
                                         script=opts.script or f"-m {opts.module}")
@@ -400,17 +502,17 @@ def _finish(opts: RunOptions, res: _Results) -> None:
         except OSError as exc:
             res.problems.append(f"--record: cannot write {opts.record}: {exc}")
     payload = _payload(rep, res)
-    if opts.report:
-        path = _report.write_report(opts.report, rep)
+    extra = {k: v for k, v in payload.items() if k != "report" and v is not None}
+    for target, flag in ((opts.report, "--report"), (opts.json, "--json")):
+        if target is None or (target == "-" and rank not in (None, 0)):
+            continue
         try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-            data.update({k: v for k, v in payload.items() if k != "report" and v is not None})
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(json.dumps(data, indent=2))
-        except (OSError, ValueError) as exc:  # pragma: no cover - the report itself is written
-            res.problems.append(f"--report: cannot add the run's sections to {path}: {exc}")
-        notes.append(f"opcontracts: report written to {path}")
+            path = _report.write_report(target, rep, extra=extra, option=flag)
+        except OpContractsError as exc:  # checked before the run; a disk that filled since
+            res.problems.append(str(exc))
+            continue
+        if path != "-":
+            notes.append(f"opcontracts: report written to {path}")
     parts: list[dict[str, Any]] | None = None
     if world > 1 and rank is not None:
         from .._ranks.rankmerge import exchange
@@ -437,10 +539,30 @@ def _findings(res: _Results) -> bool:
                 or (cmp is not None and cmp.first is not None))
 
 
+def _quiet_line(violations: int, records: Any, nan: bool, diverged: bool) -> list[str]:
+    """``--quiet``: one line, only when there is something to look at."""
+    parts = []
+    if violations:
+        ops = sorted({r.op for r in records})
+        parts.append(f"{violations} contract violation(s) at {len(records)} site(s) ("
+                     + ", ".join(ops[:3]) + (", ..." if len(ops) > 3 else "") + ")")
+    if nan:
+        parts.append("a NaN/inf finding")
+    if diverged:
+        parts.append("a divergence from the reference")
+    if not parts:
+        return []
+    return ["opcontracts: " + ", ".join(parts) + " (run without --quiet, or --report FILE, "
+            "for the details)"]
+
+
 def _summary_lines(rep: Any, res: _Results, quiet: bool) -> list[str]:
     """This process's summary: violations, what was checked, the findings."""
-    if quiet and not rep.records and not _findings(res):
-        return []
+    if quiet:
+        nan, cmp = res.nan, res.compare
+        return _quiet_line(rep.total, rep.records,
+                           nan is not None and (nan.first is not None or nan.received is not None),
+                           cmp is not None and cmp.first is not None)
     lines: list[str] = []
     stats = res.stats
     if rep.records:
@@ -472,10 +594,12 @@ def _merged_lines(parts: list[dict[str, Any]], world: int, quiet: bool) -> list[
     merged = merge_reports(reports)
     stats = merge_stats([RunStats.from_dict({**p["checked"], "ranks": [p["rank"]]})
                          for p in parts if p.get("checked")])
-    found = [p for p in parts for k in ("nan_sentinel", "shadow_compare")
-             if p.get(k) and p[k].get("first")]
-    if quiet and not merged.records and not found:
-        return []
+    if quiet:
+        return _quiet_line(merged.total, merged.records,
+                           any(p.get("nan_sentinel") and p["nan_sentinel"].get("first")
+                               for p in parts),
+                           any(p.get("shadow_compare") and p["shadow_compare"].get("first")
+                               for p in parts))
     lines = [f"opcontracts: summary of {len(parts)} of {world} rank(s)"
              + ("" if len(parts) == world else
                 f" (no summary from rank(s) {','.join(str(r) for r in range(world) if r not in ranks)}"

@@ -12,6 +12,7 @@ import hashlib
 import re
 import warnings
 import zipfile
+import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,9 +61,16 @@ _PYVER_RE = re.compile(r"""^__version__\s*=\s*['"]([^'"]+)['"]""", re.MULTILINE)
 
 
 def _from_metadata(text: str, origin: str) -> tuple[str, str | None]:
+    from packaging.version import InvalidVersion, Version
+
     m = _VERSION_RE.search(text)
     if m is None:
         raise WheelReadError(f"{origin}: METADATA has no 'Version:' line")
+    try:
+        Version(m.group(1))
+    except InvalidVersion:
+        raise WheelReadError(f"{origin}: METADATA's 'Version: {m.group(1)}' is not a version "
+                             "(PEP 440)") from None
     t = _TORCH_RE.search(text)
     return m.group(1), (t.group(1) if t else None)
 
@@ -78,8 +86,13 @@ def _read_zip(path: Path) -> WheelFiles:
         if not metas:
             raise WheelReadError(f"{path}: no torch_npu-*.dist-info/METADATA inside: "
                                  "not a torch_npu wheel")
-        version, torch = _from_metadata(zf.read(metas[0]).decode("utf-8", "replace"), str(path))
-        files = {role: zf.read(p) for role, p in PATHS.items() if p in names}
+        try:
+            version, torch = _from_metadata(zf.read(metas[0]).decode("utf-8", "replace"),
+                                            str(path))
+            files = {role: zf.read(p) for role, p in PATHS.items() if p in names}
+        except (OSError, EOFError, zipfile.BadZipFile, zlib.error, NotImplementedError) as exc:
+            raise WheelReadError(f"{path}: a member cannot be read (a damaged download? "
+                                 f"fetch it again): {exc}") from None
     return WheelFiles(version, str(path), files, torch)
 
 
@@ -94,7 +107,11 @@ def _read_tree(root: Path) -> WheelFiles:
             raise WheelReadError(f"{root}: an unpacked torch_npu tree needs a "
                                  "torch_npu-*.dist-info/METADATA or torch_npu/version.py")
         version, torch = m.group(1), None
-    files = {role: (root / p).read_bytes() for role, p in PATHS.items() if (root / p).is_file()}
+    try:
+        files = {role: (root / p).read_bytes() for role, p in PATHS.items()
+                 if (root / p).is_file()}
+    except OSError as exc:
+        raise WheelReadError(f"{root}: cannot read {exc.filename}: {exc.strerror}") from None
     return WheelFiles(version, str(root), files, torch)
 
 

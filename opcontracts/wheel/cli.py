@@ -7,11 +7,13 @@ imported until a subcommand runs.
 from __future__ import annotations
 
 import argparse
-import json
+import fnmatch
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from .._jsonout import add_json_option, to_stdout
 
 __all__ = ["add_parser"]
 
@@ -36,11 +38,9 @@ def _digest_of(ns: argparse.Namespace, sources: list[str]) -> Any:
 
 
 def _write_json(target: str, data: Any) -> None:
-    text = json.dumps(data, indent=1, ensure_ascii=False, default=str)
-    if target == "-":
-        print(text)
-    else:
-        Path(target).write_text(text + "\n", encoding="utf-8")
+    from .._jsonout import write_json
+
+    write_json(target, data)
 
 
 def _contracts(ns: argparse.Namespace) -> list[Any]:
@@ -69,6 +69,9 @@ def _cmd_verify(ns: argparse.Namespace) -> int:
         d = _digest_of(ns, ns.sources)
         contracts = _contracts(ns)
         versions = _versions(ns)
+        if ns.op and not any(fnmatch.fnmatchcase(c.op, ns.op) for c in contracts):
+            return _err(f"verify: no contract matches --op {ns.op!r} (of {len(contracts)} "
+                        "loaded; `opcontracts list` shows the ops)")
         results = verify.verify(contracts, d, versions, ns.op)
     except (OpContractsError, _source.WheelReadError, digest.DigestError, KeyError) as exc:
         return _err(str(exc).strip("'\""))
@@ -79,7 +82,7 @@ def _cmd_verify(ns: argparse.Namespace) -> int:
         data["summary"]["seconds"] = round(time.perf_counter() - t0, 3)
         data["summary"]["source"] = d.origin
         _write_json(ns.json, data)
-    if ns.json != "-":
+    if not to_stdout(ns.json):
         print(verify.render(results, n, verbose=ns.verbose))
         print(f"({d.origin}; {time.perf_counter() - t0:.2f} s)")
     return 1 if failed else 0
@@ -90,6 +93,9 @@ def _cmd_draft(ns: argparse.Namespace) -> int:
     from ..errors import OpContractsError
     from . import _source, digest, draft
 
+    out = Path(ns.output)
+    if out.exists() and not out.is_dir():
+        return _err(f"draft: -o {out}: is a file, not a folder (the drafts are one file per op)")
     try:
         base = digest.load(ns.digest)
         p = Path(ns.source)
@@ -143,7 +149,7 @@ def _cmd_diff(ns: argparse.Namespace) -> int:
     res = diff.diff(a, b, ns.op)
     if ns.json:
         _write_json(ns.json, res.to_json())
-    if ns.json != "-":
+    if not to_stdout(ns.json):
         print(diff.render(res))
     return 0
 
@@ -211,8 +217,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     pv.add_argument("--versions", action="append", metavar="V[,V...]",
                     help="only these releases (default: every release read)")
     pv.add_argument("--op", metavar="PATTERN", help="only ops matching this glob")
-    pv.add_argument("--json", metavar="FILE", help="also write the results as JSON ('-': "
-                    "stdout, instead of the table)")
+    add_json_option(pv, "the results")
     pv.add_argument("-v", "--verbose", action="store_true",
                     help="every table, meta-kernel outputs, releases not covered")
     pv.set_defaults(func=_cmd_verify)
@@ -239,17 +244,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     pf = sub.add_parser("diff", help="what changed between two releases, per op",
                         description="OLD and NEW: a version in the digest, a .whl or unpacked "
                                     "tree, or a digest file (FILE@VERSION picks a release).")
-    pf.add_argument("old", metavar="OLD")
-    pf.add_argument("new", metavar="NEW")
+    pf.add_argument("old", metavar="OLD", help="the older release (version, wheel, tree or "
+                    "FILE@VERSION)")
+    pf.add_argument("new", metavar="NEW", help="the newer release, spelled as OLD")
     pf.add_argument("--digest", metavar="FILE", help="where versions are looked up "
                     "(default: the shipped digest)")
     pf.add_argument("--op", metavar="PATTERN", help="only ops matching this glob")
-    pf.add_argument("--json", metavar="FILE", help="also write JSON ('-': stdout)")
+    add_json_option(pf, "the changes")
     pf.set_defaults(func=_cmd_diff)
 
     pg = sub.add_parser("digest", help="build the compact digest of wheels (what verify, draft "
                         "and diff need)")
-    pg.add_argument("sources", nargs="+", metavar="WHEEL_OR_DIR")
+    pg.add_argument("sources", nargs="+", metavar="WHEEL_OR_DIR",
+                    help="torch_npu .whl files, folders of them, or unpacked trees")
     pg.add_argument("-o", "--output", metavar="FILE", help="write the digest here (gzip'd JSON)")
     pg.add_argument("--check", metavar="FILE", help="compare with this digest instead "
                     "('shipped': the package's), restricted to the wheels' versions; exit 1 "

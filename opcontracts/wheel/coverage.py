@@ -115,8 +115,9 @@ def render(cov: Coverage, *, verbose: bool = False) -> str:
     other = [o for o in cov.other_versions if o not in cov.covered]
     if other:
         lines.append(f"  a contract only for other releases: {len(other)} ({', '.join(other)})")
-    lines += ["", "guarded (op: contracts):"]
-    lines += [f"  {o}: {', '.join(cov.covered[o])}" for o in covered]
+    lines += ["", f"guarded ({len(covered)}; a contract under another name in brackets):"]
+    lines += _columns([o + (f" [{', '.join(n for n in cov.covered[o] if n != o)}]"
+                            if any(n != o for n in cov.covered[o]) else "") for o in covered])
     lines += ["", f"documented, no contract ({len(cov.uncovered_documented)}):"]
     lines += _columns(cov.uncovered_documented)
     if verbose:

@@ -70,6 +70,21 @@ def _json_id(obj: Any) -> str:
 
 
 # --------------------------------------------------------------------------- build
+def _parsed(w: WheelFiles, role: str, parse: Any) -> Any:
+    """``parse(text)`` of one of the wheel's files; a file that does not parse (a syntax
+    error, a NUL byte, a schema line that cannot be read) is a ``WheelReadError`` naming the
+    wheel and the file, never a traceback."""
+    from ._source import PATHS, WheelReadError
+
+    try:
+        return parse(w.text(role) or "")
+    except (SyntaxError, ValueError, TypeError, KeyError, IndexError, RecursionError) as exc:
+        if isinstance(exc, WheelReadError):
+            raise
+        raise WheelReadError(f"{w.origin}: {PATHS[role]} cannot be read "
+                             f"({type(exc).__name__}: {exc})") from None
+
+
 def build(wheels: Iterable[WheelFiles]) -> dict[str, Any]:
     """The digest of ``wheels`` as a JSON-able dict (see the module docstring for the layout)."""
     funcs: list[str] = []
@@ -105,25 +120,26 @@ def build(wheels: Iterable[WheelFiles]) -> dict[str, Any]:
             sid = file_id(w.files["schema"])
             rec["schema"] = sid
             if sid not in schema_g:
-                fl = custom_funcs(w.text("schema") or "")
+                fl = _parsed(w, "schema", custom_funcs)
                 schema_g[sid] = [func_ref(f) for f in fl]
-                parsed_schemas[sid] = default_schemas(fl)
+                parsed_schemas[sid] = _parsed(w, "schema", lambda _, fl=fl: default_schemas(fl))
         if "docs" in w.files:
             did = file_id(w.files["docs"])
             rec["files"]["docs"] = did
             key = did + "+" + rec.get("schema", "")
             rec["docs"] = key
             if key not in docs_g:
-                docs = parse_docs(w.text("docs") or "", parsed_schemas.get(rec.get("schema", ""), {}))
+                known = parsed_schemas.get(rec.get("schema", ""), {})
+                docs = _parsed(w, "docs", lambda text, known=known: parse_docs(text, known))
                 docs_g[key] = {op: entry_ref(d.to_json()) for op, d in docs.items()}
         if "meta" in w.files:
             mid = file_id(w.files["meta"])
             rec["meta"] = mid
             if mid not in meta_g:
-                meta = parse_meta(w.text("meta") or "")
+                meta = _parsed(w, "meta", parse_meta)
                 meta_g[mid] = {op: entry_ref(k.to_json()) for op, k in meta.items()}
         if "bindings" in w.files:
-            names = sorted(parse_bindings(w.text("bindings") or ""))
+            names = sorted(_parsed(w, "bindings", parse_bindings))
             bid = _json_id(names)
             rec["bindings"] = bid
             bind_g.setdefault(bid, names)
@@ -149,6 +165,7 @@ def dumps(data: dict[str, Any]) -> bytes:
 def save(data: dict[str, Any], path: str | Path) -> int:
     """Write the digest; returns its size in bytes."""
     blob = dumps(data)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)  # -o into a new folder
     Path(path).write_bytes(blob)
     return len(blob)
 
@@ -399,10 +416,15 @@ def resolve_release(name: str, digest_path: str | Path | None = None) -> Release
     now), or a version (or file id) of ``digest_path`` / the shipped digest."""
     from . import _source
 
-    spec, _, at = name.partition("@")
+    spec, sep, at = name.partition("@")
     p = Path(spec)
     if p.exists() and p.suffix in (".gz", ".json"):
         d = load(p)
+        if sep and not at.strip():
+            raise DigestError(f"{name}: no release after '@' (FILE@VERSION, or FILE alone for "
+                              "its newest release)")
+        if not d.versions:
+            raise DigestError(f"{p}: the digest holds no release")
         return d.release(at or d.versions[-1])
     if p.exists():
         w = _source.read_one(p)

@@ -416,7 +416,11 @@ def render(results: Sequence[ContractResult], n_versions: int, *, verbose: bool 
     """The report as text: per contract, per group of releases, a table of its arguments and
     the findings (``!`` fails, ``~`` marked by doc_conflict, ``-`` information)."""
     lines: list[str] = []
+    quiet = 0  # contracts that pass, left out without ``verbose``
     for r in results:
+        if not verbose and not r.fails:
+            quiet += 1
+            continue
         head = f"{r.op}  [{r.when}]"
         if r.file:
             head += f"  {r.file.split('contracts/')[-1]}"
@@ -462,5 +466,8 @@ def render(results: Sequence[ContractResult], n_versions: int, *, verbose: bool 
         f"unmarked (a): {s['unmarked_a']} ({s['marked_a']} marked); (b): {s['b']}; "
         f"unverifiable (d): {s['unverifiable']}; missing: {s['missing']}; "
         f"schema: {s['schema']}; meta kernel: {s['meta']}  (finding x release)")
+    if quiet:
+        lines.append(f"({quiet} contract(s) that pass not shown: --verbose shows every contract, "
+                     "table and finding)")
     lines.append(f"{s['failing']} contract(s) fail" if s["failing"] else "all contracts pass")
     return "\n".join(lines)

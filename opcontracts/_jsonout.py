@@ -1,0 +1,140 @@
+"""JSON output, one way for every command and file: ``--json [FILE]``, strict JSON, clean errors.
+
+Every ``opcontracts`` command that speaks JSON (``list``, ``env``, ``demo``, ``run``, ``report
+merge``, ``probe``, ``wheel verify`` / ``diff``, and those added later) declares the option with
+``add_json_option`` and writes with ``write_json``; report files are written with ``json_text``
+too.  So ``--json`` means one thing everywhere:
+
+* bare ``--json`` or ``--json -``: the JSON goes to stdout, instead of the human text;
+* ``--json FILE``: the human text as usual, and the JSON in ``FILE`` (folders created);
+  where an optional positional may follow (``list --json PATTERN``), a word that neither ends
+  with ``.json`` nor names a folder is that positional (``settle``).
+
+The text is strict JSON (RFC 8259): a float that is not finite is written as the string
+``"nan"``, ``"inf"`` or ``"-inf"`` (what ``float()`` reads back), never as a bare ``NaN`` or
+``Infinity`` that strict parsers (``jq``, JavaScript, Go) reject.  A file that cannot be
+written is an ``OutputError`` naming the option and the path (one line, exit status 2);
+``check_writable`` says so before the work starts.
+
+This module sits in the bottom layer (it imports only ``errors``): the wheel tools, the engine's
+report files and the command line all use it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from collections.abc import Mapping
+from typing import IO, Any
+
+from .errors import OpContractsError
+
+__all__ = ["OutputError", "add_json_option", "check_writable", "json_text", "settle",
+           "strict", "to_stdout", "write_json", "write_text"]
+
+STDOUT = "-"
+
+
+class OutputError(OpContractsError):
+    """An output file that cannot be written: the message names the option and the path."""
+
+
+def strict(data: Any) -> Any:
+    """``data`` with every non-finite float as the string ``"nan"``, ``"inf"`` or ``"-inf"``
+    (containers copied only where they hold one)."""
+    if isinstance(data, float):
+        if math.isfinite(data):
+            return data
+        return "nan" if math.isnan(data) else ("inf" if data > 0 else "-inf")
+    if isinstance(data, Mapping):
+        return {k: strict(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [strict(v) for v in data]
+    return data
+
+
+def json_text(data: Any, *, indent: int | None = 2) -> str:
+    """Strict JSON text of ``data`` (objects it does not know are written as ``str``)."""
+    return json.dumps(strict(data), indent=indent, ensure_ascii=False, allow_nan=False,
+                      default=str)
+
+
+def to_stdout(target: str | None) -> bool:
+    """Whether ``--json`` was given without a file (bare, or ``-``): JSON on stdout."""
+    return target == STDOUT
+
+
+def add_json_option(parser: Any, what: str = "the results") -> None:
+    """``--json [FILE]`` on an argparse parser: ``ns.json`` is None (not given), ``"-"``
+    (stdout) or the file."""
+    parser.add_argument("--json", nargs="?", const=STDOUT, default=None, metavar="FILE",
+                        help=f"{what} as JSON: on stdout instead of the text (bare --json, or "
+                        "--json -), or in FILE next to the text")
+
+
+def settle(ns: Any, positional: str) -> None:
+    """For a command with an optional positional after which ``--json`` may come (``list
+    --json PATTERN``): a word ``--json`` took that is no file name (it neither ends with
+    ``.json`` nor names a folder) is the positional, and the JSON goes to stdout."""
+    target = getattr(ns, "json", None)
+    if target in (None, STDOUT) or getattr(ns, positional, None) is not None:
+        return
+    if target.endswith(".json") or os.sep in target or "/" in target:
+        return
+    setattr(ns, positional, target)
+    ns.json = STDOUT
+
+
+def check_writable(path: str, option: str) -> None:
+    """``OutputError`` now, before any work, when ``path`` cannot be written later: a folder
+    where a file should be, a parent that is a file, a parent folder that cannot be written."""
+    if path == STDOUT:
+        return
+    why = _unwritable(path)
+    if why:
+        raise OutputError(f"{option} {path}: cannot write: {why}")
+
+
+def _unwritable(path: str) -> str | None:
+    if "\0" in path:
+        return "the path holds a NUL character"
+    if os.path.isdir(path):
+        return "it is a folder"
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):  # created when written: the first existing one decides
+        up = os.path.dirname(parent)
+        if up == parent:
+            break
+        parent = up
+    if not os.path.isdir(parent):
+        return f"{parent} is not a folder"
+    if not os.access(parent, os.W_OK):
+        return f"{parent} is not writable"
+    return None
+
+
+def write_text(path: str, text: str, option: str) -> str:
+    """Write ``text`` to ``path`` (folders created); ``OutputError`` naming ``option`` and the
+    path when it cannot be.  Returns the path."""
+    try:
+        parent = os.path.dirname(path)
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise OutputError(f"{option} {path}: cannot write: {why}") from None
+    return path
+
+
+def write_json(target: str, data: Any, *, option: str = "--json",
+               stdout: IO[str] | None = None) -> None:
+    """The JSON of ``data`` on stdout (``target`` ``"-"``) or in the file ``target``."""
+    text = json_text(data) + "\n"
+    if to_stdout(target):
+        (stdout or sys.stdout).write(text)
+        return
+    write_text(target, text, option)
