@@ -330,6 +330,8 @@ class _Session:
         tr = terminalreporter
         self._note(None)
         title = f"opcontracts ({self.mode})"
+        from ._engine import conditional
+
         if not self.seen and not self.unkept:
             tr.write_sep("=", title, green=True)
             if config.pluginmanager.hasplugin("dsession"):  # pytest-xdist's controller
@@ -338,10 +340,14 @@ class _Session:
                               "(strict mode still fails their tests)")
             else:
                 tr.write_line("no contract violations")
+            for line in conditional.summary():
+                tr.write_line(line)
             return
         tr.write_sep("=", title, yellow=True)
         for line in _summary_lines(self.seen, self.unkept, len(self.tests_with_violations),
                                    config):
+            tr.write_line(line)
+        for line in conditional.summary():
             tr.write_line(line)
 
 

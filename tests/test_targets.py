@@ -70,6 +70,15 @@ def test_conditional_call_warns_in_strict_instead_of_raising(op: Any) -> None:
         assert "readings:  cann unknown: rejected on each of the 2 readings" in str(err.value)
 
 
+def test_the_end_of_run_summary_names_conditional_calls(op: Any) -> None:
+    from opcontracts._engine import conditional
+
+    with opcontracts.mode("strict"):
+        _conditional(op, X, I32)
+    [line] = conditional.summary()
+    assert "tgt_op 'i' (cann)" in line and "declare the target" in line
+
+
 def test_conditional_warns_once_per_site_and_repeats_skip_the_readings(op: Any) -> None:
     from opcontracts._engine import conditional
 

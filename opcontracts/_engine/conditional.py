@@ -41,9 +41,28 @@ _lock = threading.Lock()
 _sites: dict[tuple[Any, ...], tuple[str, CallSite | None, dict[Any, Any], tuple[Any, ...]]] = {}
 
 
+# (op, argument) -> the fields whose being unknown made it conditional, for the end of a run
+# (kept across ``reset``: the pytest plugin's summary covers the whole session)
+_seen: dict[tuple[str, str | None], str] = {}
+
+
 def reset() -> None:
     with _lock:
         _sites.clear()
+
+
+def summary() -> list[str]:
+    """Lines for the end of a run (the pytest plugin's summary): the conditional calls seen,
+    by op and argument; none when there were none."""
+    with _lock:
+        seen = dict(_seen)
+    if not seen:
+        return []
+    what = ", ".join(f"{op} '{arg}' ({unknown})" for (op, arg), unknown in list(seen.items())[:5])
+    more = f" and {len(seen) - 5} more" if len(seen) > 5 else ""
+    return [f"{len(seen)} conditional call(s), rejected only on stacks a version unknown here "
+            f"allows: {what}{more}; not violations: declare the target to decide "
+            "(opcontracts.set_targets, OPCONTRACTS_TARGETS, [tool.opcontracts]; docs/targets.md)"]
 
 
 def resolution(cc: CompiledContract) -> Resolution | None:
@@ -138,6 +157,8 @@ def warn_conditional(verdict: Verdict, cc: CompiledContract,
         if len(_sites) >= 4096:
             _sites.pop(next(iter(_sites)), None)
         _sites[key] = (message, site, registry, learnt)
+        if len(_seen) < 4096:
+            _seen[(cc.contract.op, arg)] = ", ".join(res.unknown) or "targets"
     _emit(message, site, registry)
 
 
