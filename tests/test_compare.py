@@ -180,6 +180,29 @@ def test_sampling_is_seeded_and_grad_kernels_follow_their_forward_call(
         assert a.checked_ops.get(op + "_grad", 0) == a.checked_ops.get(op, 0)
 
 
+def test_sampling_keeps_the_forward_place_of_every_compared_backward_call(
+        moe: types.ModuleType) -> None:
+    """Without the sentinel, an unsampled forward call still tells its *_grad kernel which
+    call it belongs to: the kernel is left out as its forward call was, never drawn on its
+    own and then reported with no module and the ``.backward()`` line as its call site."""
+    seen = 0
+    for draw_seed in range(4):
+        model = _model(moe, 0, 3)
+        ids, targets = demo._batch(0)
+        with opcontracts.mode("off"), ShadowCompare(sample=0.5, seed=draw_seed) as sc:
+            model(ids, targets).backward()  # the line a stray *_grad kernel would be named at
+        res = sc.result()
+        for op in ("npu_moe_token_unpermute", "npu_moe_token_permute"):
+            assert res.checked_ops.get(op + "_grad", 0) == res.checked_ops.get(op, 0), res
+        for e in res.events:
+            if e.direction == "backward":
+                seen += 1
+                assert e.module is not None and e.module.endswith(".mlp"), e
+                assert e.call_site is not None and e.call_site.startswith("moe_block.py:"), e
+                assert e.kind == "input_grad" or e.backward_of is not None, e
+    assert seen  # the incident's unpermute backward diverges in some drawn call
+
+
 # --------------------------------------------------------------------------- small ops
 MOD = "compare_test_ops"
 

@@ -441,6 +441,8 @@ def shipped_index() -> list[IndexEntry]:
     global _index
     with _lock:
         if _index is None:
+            _index = _precomputed_index()
+        if _index is None:
             out: list[IndexEntry] = []
             for f in sorted(shipped_contracts_dir().rglob("*.toml")):
                 try:
@@ -455,6 +457,19 @@ def shipped_index() -> list[IndexEntry]:
                                           args if isinstance(args, dict) else None))
             _index = out
         return list(_index)
+
+
+def _precomputed_index() -> list[IndexEntry] | None:
+    """The entries of ``contracts/index.json`` when it is current for the shipped files (their
+    hashes match; ``contract_index``), else None: the files are read instead."""
+    from . import contract_index
+
+    folder = shipped_contracts_dir()
+    entries = contract_index.load(folder)
+    if entries is None:
+        return None
+    return [IndexEntry(e["op"], tuple(e["targets"]), e.get("when"), str(folder / e["file"]))
+            for e in entries]
 
 
 def applicable_targets() -> dict[str, tuple[str, ...]]:

@@ -411,7 +411,9 @@ class _Watchers:
         if self.opts.nan_check:
             from ..nan import NanSentinel
 
-            self.sentinel = NanSentinel().enable()
+            # always-on: one host read per step (at optimizer.step() and at the end), no
+            # tensor of the job kept; the run's report names the culprit
+            self.sentinel = NanSentinel(always_on=True, on_nan="record").enable()
         if self.opts.compare is not None:
             from ..compare import ShadowCompare
 
