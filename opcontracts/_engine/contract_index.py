@@ -22,10 +22,24 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["INDEX_NAME", "build", "entries_from_files", "fingerprint", "load", "write"]
+__all__ = ["INDEX_NAME", "build", "entries_from_files", "fingerprint", "load", "shipped_folder",
+           "write"]
 
 INDEX_NAME = "index.json"
 _VERSION = 1
+
+
+def shipped_folder() -> Path:
+    """The folder of contract files shipped with the package (``opcontracts/contracts``)."""
+    try:
+        from importlib.resources import files
+
+        p = Path(str(files("opcontracts.contracts")))
+        if p.is_dir():
+            return p
+    except (ModuleNotFoundError, TypeError):  # pragma: no cover - broken install
+        pass
+    return Path(__file__).resolve().parents[2] / "contracts"  # pragma: no cover - a checkout
 
 
 def _files(folder: Path) -> list[Path]:
@@ -96,10 +110,8 @@ def write(folder: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .registry import shipped_contracts_dir
-
     args = sys.argv[1:] if argv is None else argv
-    folder = Path(args[0]) if args else shipped_contracts_dir()
+    folder = Path(args[0]) if args else shipped_folder()
     print(f"wrote {write(folder)}")
     return 0
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from .._lang import targets as _targets
 from .._lang import versions
 from ..errors import ContractFileError, OpContractsError
+from . import contract_index
 
 if TYPE_CHECKING:  # pydantic is imported when contracts are first validated, not at import
     from ..spec import Arg, Contract
@@ -106,15 +107,7 @@ def _changed() -> None:
 
 def shipped_contracts_dir() -> Path:
     """The folder of contract files shipped with the package (``opcontracts/contracts``)."""
-    try:
-        from importlib.resources import files
-
-        p = Path(str(files("opcontracts.contracts")))
-        if p.is_dir():
-            return p
-    except (ModuleNotFoundError, TypeError):  # pragma: no cover - broken install
-        pass
-    return Path(__file__).resolve().parent.parent / "contracts"  # pragma: no cover
+    return contract_index.shipped_folder()
 
 
 def register(contracts: Contract | Iterable[Contract], *, replace: bool = False) -> None:
@@ -462,8 +455,6 @@ def shipped_index() -> list[IndexEntry]:
 def _precomputed_index() -> list[IndexEntry] | None:
     """The entries of ``contracts/index.json`` when it is current for the shipped files (their
     hashes match; ``contract_index``), else None: the files are read instead."""
-    from . import contract_index
-
     folder = shipped_contracts_dir()
     entries = contract_index.load(folder)
     if entries is None:
