@@ -296,8 +296,9 @@ class NanSentinel(Observer):
     ``optimizer.step()`` (``step_hook``) so a run costs one host read per step, and warns at
     the step that turned non-finite (``on_nan="warn"``, at the read) unless told otherwise.
     Without ``always_on`` the tensors checked since the last read are kept until it (to count
-    the culprit's NaN and inf): call ``step()`` at the end of each step, or give
-    ``step_hook=True``.
+    the culprit's NaN and inf), up to ``keep_bytes`` (256 MiB; beyond, a check keeps only its
+    flag and an event from it does not count NaN and inf): call ``step()`` at the end of each
+    step, or give ``step_hook=True``.  ``limit``: checks waiting before a read is made anyway.
     """
 
     grads = True     # the layer probes inputs and hooks outputs for backward checks
@@ -305,7 +306,7 @@ class NanSentinel(Observer):
 
     def __init__(self, *, on_nan: OnNan | None = None, max_events: int = 32,
                  always_on: bool = False, step_hook: bool | None = None,
-                 limit: int = 4096) -> None:
+                 limit: int = 4096, keep_bytes: int = 256 << 20) -> None:
         if on_nan is None:
             on_nan = "warn" if always_on else "record"
         if on_nan not in _ON_NAN:
@@ -318,7 +319,10 @@ class NanSentinel(Observer):
         self.step_hook = always_on if step_hook is None else step_hook
         # react at the call (per-call reads) only when the reaction must come from the call
         self._at_call = on_nan == "raise" or (on_nan == "warn" and not always_on)
-        self._keep = not always_on
+        # bytes of the job's tensors kept until the read (to count the culprit's NaN and inf);
+        # beyond, a check keeps only its flag
+        self._keep_budget = 0 if always_on else keep_bytes
+        self._kept = 0
         self._lock = threading.Lock()
         self._read_lock = threading.RLock()
         self._enabled = False
@@ -415,7 +419,9 @@ class NanSentinel(Observer):
         """Judge every waiting check, in the order they were made (one host read)."""
         with self._read_lock:
             found: list[tuple[Any, ...]] = []
-            for (what, st, key, t, dtype, shape), (lo, hi) in self._pending.read():
+            checks = self._pending.read()
+            self._kept = 0
+            for (what, st, key, t, dtype, shape), (lo, hi) in checks:
                 if not (math.isfinite(lo) and math.isfinite(hi)):
                     self._judge(found, what, st, key, t, dtype, shape)
             if not found:
@@ -495,8 +501,13 @@ class NanSentinel(Observer):
         if value is None:
             return
         # dtype and shape as they come (named at the event): the hot path converts nothing
-        self._pending.add(value, (what, st, key, t.detach() if self._keep else None, t.dtype,
-                                  t.shape))
+        kept = None
+        if self._keep_budget:
+            size = t.numel() * t.element_size()
+            if self._kept + size <= self._keep_budget:
+                self._kept += size
+                kept = t.detach()
+        self._pending.add(value, (what, st, key, kept, t.dtype, t.shape))
 
     def begin(self, call: Call) -> Any:
         with self._lock:
