@@ -246,6 +246,22 @@ def test_the_checks_are_read_at_step_and_at_each_optimizer_step(ops: types.Modul
         assert s.step() and s.first_bad_step == 2
 
 
+def test_a_bounded_backlog_reads_by_itself_and_finds_the_same_culprit(
+        ops: types.ModuleType) -> None:
+    x = torch.randn(3, 4, requires_grad=True)
+    with NanSentinel() as free:
+        Net("bad_backward")(x).sum().backward()
+    with NanSentinel(limit=3) as bounded:
+        Net("bad_backward")(x).sum().backward()
+        assert len(bounded._pending) < 3
+    a, b = free.result().first, bounded.result().first
+    assert a is not None and b is not None
+    assert (a.op, a.kind, a.arg, a.module, a.call_site, a.nan) == (
+        b.op, b.kind, b.arg, b.module, b.call_site, b.nan)
+    with pytest.raises(ValueError, match="limit"):
+        NanSentinel(limit=0)
+
+
 def test_nan_gradient_from_an_unwatched_op_is_received_not_blamed(ops: types.ModuleType) -> None:
     x = torch.randn(3, requires_grad=True)
     with NanSentinel() as s:
