@@ -398,6 +398,24 @@ def test_thresholds_per_dtype_follow_msprobe() -> None:
     assert thresholds_for(torch.int32).exact and "msprobe" in bf.source
 
 
+def test_judged_on_the_device_the_finite_part_decides_when_non_finite_elements_agree() -> None:
+    """No boolean indexing (it would synchronise): the elements non-finite alike on both sides
+    are masked, and the verdict and metrics are those of the finite elements alone."""
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(64, generator=g, dtype=torch.float64)
+    out = (ref * (1 + 3e-4 * torch.randn(64, generator=g, dtype=torch.float64))).float()
+    ref2, out2 = ref.clone(), out.clone()
+    ref2[[3, 9]], out2[[3, 9]] = float("inf"), float("inf")
+    ref2[20], out2[20] = float("nan"), float("nan")
+    keep = torch.ones(64, dtype=torch.bool)
+    keep[[3, 9, 20]] = False
+    masked, alone = judge(out2, ref2), judge(out[keep], ref[keep])
+    assert (masked.status, masked.reason) == (alone.status, alone.reason)
+    assert masked.metrics == pytest.approx(alone.metrics, rel=1e-6)
+    out2[9] = -float("inf")  # not alike any more
+    assert judge(out2, ref2).metrics == {"nonfinite_mismatch": 1}
+
+
 def test_judge_rules() -> None:
     ref = torch.linspace(1, 2, 1000, dtype=torch.float32)
     # bf16 rounding of an fp32 reference: within 1% everywhere, so not an error

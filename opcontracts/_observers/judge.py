@@ -130,7 +130,7 @@ def judge(actual: torch.Tensor, expected: torch.Tensor) -> Verdict:
 
 
 # the numbers of a floating output's vector, in order
-_FIELDS = ("bad_fin", "n_both", "max_abs", "max_rel", "h", "t", "tt", "dot", "uu", "vv", "amax",
+_FIELDS = ("ok", "n_both", "max_abs", "max_rel", "h", "t", "tt", "dot", "uu", "vv", "amax",
            "emax")
 
 
@@ -138,10 +138,13 @@ def measure(actual: torch.Tensor, expected: torch.Tensor) -> Judged:
     """Everything the rules read, computed on the device without reading anything (a verdict
     right away only for what needs no number: a shape mismatch, an empty output).
 
-    No data-dependent shapes: the elements where either side is not finite are masked to 0
-    (``where``), not dropped by boolean indexing (which synchronises); the shares count only
-    the elements finite on both sides.  Read the vector (with the other checks of the step, in
-    one transfer: ``_deferred``) and call ``Measured.verdict``."""
+    No data-dependent shapes (boolean indexing synchronises): an element is *ok* when it is
+    finite on both sides or non-finite alike on both (the same inf, or NaN and NaN); the
+    elements not finite on both sides are zeroed (``nan_to_num``) for the metrics, which then
+    are the finite elements' whenever every element is ok (else the verdict is an error
+    anyway), and the shares leave them out.  The metrics are those of judging with a read per
+    output, to the bit.  Read the vector (with the step's others, in one transfer:
+    ``_observers.deferred``) and call ``Measured.verdict``."""
     th = thresholds_for(actual.dtype)
     a = actual.detach().to(expected.device)
     e = expected.detach()
@@ -160,20 +163,19 @@ def measure(actual: torch.Tensor, expected: torch.Tensor) -> Judged:
     fin_a = torch.isfinite(af)
     fin_e = torch.isfinite(e.to(a.dtype)) if e.dtype != a.dtype else torch.isfinite(ef)
     both = fin_a & fin_e
-    odd = ~fin_a & ~fin_e & ~((af == ef) | (torch.isnan(af) & torch.isnan(ef)))
-    bad_fin = (fin_a != fin_e).sum() + odd.sum()
-    zero = af.new_zeros(())
-    af, ef = torch.where(both, af, zero), torch.where(both, ef, zero)
+    ok = both | (af == ef) | (torch.isnan(af) & torch.isnan(ef))  # or the same inf, or NaNs
+    af, ef = torch.nan_to_num(af, 0.0, 0.0, 0.0), torch.nan_to_num(ef, 0.0, 0.0, 0.0)
     eps = torch.finfo(e.dtype if e.dtype.is_floating_point else work).eps
     abs_err = (af - ef).abs()
-    rel = abs_err / (ef.abs() + eps)
-    na, ne = af.abs().max(), ef.abs().max()
-    scale = torch.maximum(na, ne).clamp_min(torch.finfo(af.dtype).tiny)
+    e_abs = ef.abs()
+    rel = abs_err / (e_abs + eps)
+    na, ne = af.abs().amax(), e_abs.amax()
+    scale = torch.maximum(na, ne).clamp_min(torch.finfo(work).tiny)
     u, v = af / scale, ef / scale  # scaled first, as msprobe does: no overflow in the sums
-    vec = torch.stack([bad_fin.to(work), both.sum().to(work), abs_err.max(), rel.max(),
-                       ((rel < 0.01) & both).sum().to(work), ((rel < 0.001) & both).sum().to(work),
-                       ((rel < 0.0001) & both).sum().to(work), (u * v).sum(), (u * u).sum(),
-                       (v * v).sum(), na, ne])
+    counts = torch.stack([ok.sum(), both.sum(), (rel < 0.01).sum(), (rel < 0.001).sum(),
+                          (rel < 0.0001).sum()]).to(work)  # counted as integers: exact
+    vec = torch.cat([counts[:2], torch.stack([abs_err.amax(), rel.amax()]), counts[2:],
+                     torch.stack([(u * v).sum(), (u * u).sum(), (v * v).sum(), na, ne])])
     return Measured(th, vec, n)
 
 
@@ -188,16 +190,18 @@ def _verdict(m: Measured, numbers: list[float]) -> Verdict:
                            "element must be equal)", th, rate)
         return Verdict("pass", "equal", th, rate)
     f = dict(zip(_FIELDS, numbers))
-    bad_fin, n_both = int(f["bad_fin"]), int(f["n_both"])
+    bad_fin, n_both = n - int(f["ok"]), int(f["n_both"])
     if bad_fin:
         return Verdict("error", f"{bad_fin} of {n} elements non-finite where the "
                        "reference is finite (or the other way round)", th,
                        {"nonfinite_mismatch": bad_fin})
     if n_both == 0:
         return Verdict("pass", "no finite elements; non-finite ones agree", th, {})
-    k = float(n_both)
-    met = {"max_abs": f["max_abs"], "max_rel": f["max_rel"], "rel_err_hundredth": f["h"] / k,
-           "rel_err_thousandth": f["t"] / k, "rel_err_ten_thousandth": f["tt"] / k,
+    k, zeroed = float(n_both), n - n_both  # the zeroed elements count as within every bound
+    met = {"max_abs": f["max_abs"], "max_rel": f["max_rel"],
+           "rel_err_hundredth": (f["h"] - zeroed) / k,
+           "rel_err_thousandth": (f["t"] - zeroed) / k,
+           "rel_err_ten_thousandth": (f["tt"] - zeroed) / k,
            "cosine": _cosine(f["dot"], f["uu"], f["vv"], f["amax"], f["emax"], n_both)}
     cos = met["cosine"]
     assert th.cosine is not None and th.max_abs_pass is not None
