@@ -241,13 +241,15 @@ def _finiteness(t: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
     large finite values; one reduction (~3 us on a (256, 64) CPU tensor, less than a float32
     sum), and torch_npu has it (op-plugin's ``op_plugin_functions.yaml``: ``aminmax``).
     """
-    if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.numel() == 0:
+    if not isinstance(t, torch.Tensor):
         return None
-    if t.is_complex():
+    if t.is_floating_point():
+        if t.layout != torch.strided or t.numel() == 0:
+            return None
+        return torch.aminmax(t.detach())  # type: ignore[return-value]
+    if t.is_complex() and t.layout == torch.strided and t.numel():
         return torch.aminmax(torch.view_as_real(t.detach()))  # type: ignore[return-value]
-    if not t.is_floating_point():
-        return None  # integers and bools are always finite
-    return torch.aminmax(t.detach())  # type: ignore[return-value]
+    return None  # integers and bools are always finite
 
 
 class _State:

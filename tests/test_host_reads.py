@@ -126,3 +126,25 @@ def test_the_always_on_sentinel_reads_at_each_optimizer_step(moe: types.ModuleTy
             step()
             assert s.steps == 2 and s.first_bad_step == 1
     assert s.steps == 2  # nothing waits after the hook's read: the exit reads nothing new
+
+
+def test_pending_values_come_back_in_order_in_one_read() -> None:
+    from opcontracts._observers.deferred import Pending
+
+    for values in ([torch.tensor(1.0), (torch.tensor(2.0), torch.tensor(3.0))],  # one size
+                   [torch.tensor([1.0, 2.0]), torch.tensor([3], dtype=torch.int64),
+                    (torch.tensor(4.0), torch.tensor(5.0, dtype=torch.float64))]):  # mixed
+        p: Pending[int] = Pending()
+        for i, v in enumerate(values):
+            p.add(v, i)
+        with HostReads() as reads:
+            got = p.read()
+        assert reads.total == 1 and len(p) == 0
+        flat = [x for _, numbers in got for x in numbers]
+        assert [i for i, _ in got] == list(range(len(values)))
+        assert flat == [float(k) for k in range(1, len(flat) + 1)]
+    full: list[int] = []
+    p = Pending(limit=2, on_full=lambda: full.append(len(p)))
+    p.add(torch.tensor(0.0), 0)
+    p.add(torch.tensor(0.0), 1)
+    assert full == [2]

@@ -65,22 +65,34 @@ class Pending(Generic[P]):
             self._values, self._payloads = [], []
         if not values:
             return []
-        parts: list[torch.Tensor] = []   # every tensor, flattened
+        parts: list[torch.Tensor] = []   # every tensor (detached already: not read here)
         owner: list[int] = []              # the value each part belongs to
         for i, v in enumerate(values):
-            for x in ((v,) if isinstance(v, torch.Tensor) else v):
-                parts.append(x.detach().reshape(-1))
+            if isinstance(v, torch.Tensor):
+                parts.append(v)
                 owner.append(i)
+            else:
+                parts.extend(v)
+                owner.extend([i] * len(v))
+        numbers: list[list[float]] = [[] for _ in values]
+        try:  # the common case: parts of one size on one device, stacked (no reshape each)
+            rows = torch.stack(parts).reshape(len(parts), -1).tolist()  # the one read
+        except RuntimeError:  # sizes that differ, or several devices
+            pass
+        else:
+            for j, row in zip(owner, rows):
+                numbers[j].extend(row)
+            return list(zip(payloads, numbers))
         by_device: dict[torch.device, list[int]] = {}
         for j, x in enumerate(parts):
             by_device.setdefault(x.device, []).append(j)
-        numbers: list[list[float]] = [[] for _ in values]
         for idx in by_device.values():
             # cat promotes (float32 checks with float64 metrics): the one read of this device
-            joined = torch.cat([parts[j] for j in idx]).tolist()
+            flat = [parts[j].reshape(-1) for j in idx]
+            joined = torch.cat(flat).tolist()
             pos = 0
-            for j in idx:
-                n = parts[j].numel()
+            for j, x in zip(idx, flat):
+                n = x.numel()
                 numbers[owner[j]].extend(joined[pos:pos + n])
                 pos += n
         return list(zip(payloads, numbers))
