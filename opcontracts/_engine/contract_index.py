@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["INDEX_NAME", "build", "entries_from_files", "fingerprint", "load", "shipped_folder",
+__all__ = ["INDEX_NAME", "UnreadableFile", "build", "entries_from_files", "fingerprint", "load", "shipped_folder",
            "write"]
 
 INDEX_NAME = "index.json"
@@ -53,8 +53,18 @@ def fingerprint(folder: Path) -> dict[str, str]:
             for f in _files(folder)}
 
 
+class UnreadableFile(Exception):
+    """A contract file that cannot be read or is not TOML (``file``, ``reason``)."""
+
+    def __init__(self, file: Path, reason: str) -> None:
+        super().__init__(f"{file}: {reason}")
+        self.file = file
+        self.reason = reason
+
+
 def entries_from_files(folder: Path) -> list[dict[str, Any]]:
-    """The entries, read from the contract files (``tomllib``): op, targets, when, file."""
+    """The entries, read from the contract files (``tomllib`` alone: no pydantic at ``import
+    opcontracts.patch``): op, targets, when, the raw argument tables, file."""
     try:
         import tomllib
     except ModuleNotFoundError:  # pragma: no cover - Python 3.10
@@ -62,11 +72,16 @@ def entries_from_files(folder: Path) -> list[dict[str, Any]]:
 
     out: list[dict[str, Any]] = []
     for f in _files(folder):
-        data = tomllib.loads(f.read_text(encoding="utf-8"))
+        try:
+            data = tomllib.loads(f.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+            raise UnreadableFile(f, str(exc)) from None
         for t in data.get("contract", []):
             targets = t.get("targets", ())
             targets = [targets] if isinstance(targets, str) else list(targets)
+            args = t.get("args")
             out.append({"op": str(t.get("op")), "targets": targets, "when": t.get("when"),
+                        "args": args if isinstance(args, dict) else None,
                         "file": f.relative_to(folder).as_posix()})
     return out
 
@@ -96,6 +111,7 @@ def load(folder: Path) -> list[dict[str, Any]] | None:
     if not isinstance(entries, list) or not all(
             isinstance(e, dict) and isinstance(e.get("op"), str)
             and isinstance(e.get("targets"), list) and e.get("file") in current
+            and isinstance(e.get("args"), (dict, type(None)))
             for e in entries):
         return None
     return entries
