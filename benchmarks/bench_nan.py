@@ -3,9 +3,10 @@
     python benchmarks/bench_nan.py [--quick]
 
 Off, the sentinel costs nothing: nothing of it is installed (the guards are the patch's own
-objects again, checked here).  On, per guarded call it checks every floating tensor argument
-and output with ``isfinite().all()``, looks up the call site, and, with grad enabled, adds a
-probe node and two node hooks; global module hooks track the ``nn.Module`` path.
+objects again, checked here).  On, per guarded call it leaves each floating tensor argument's
+and output's ``aminmax`` on the device (read once, at the end: ``benchmarks/bench_accelerator.py``
+counts the host reads), looks up the call site, and, with grad enabled, adds a probe node and
+two node hooks; global module hooks track the ``nn.Module`` path.
 
 Rows, best-of-N ns per call on small CPU tensors (shared machines are noisy: the best run is
 the least disturbed one):

@@ -30,6 +30,15 @@ and nothing it does reaches the job's tensors or graph.  Ops without a reference
 contract can be watched too: ``ShadowCompare(watch={"my_op": "mypkg.ops.my_op"})`` guards that
 target with an empty contract (no rules) for the compare to see.
 
+Host reads: none per compared call.  The judging numbers of each output (cosine terms, the
+largest errors, the shares within 1%, 0.1%, 0.01%, the non-finite mismatches) are computed on
+the reference's device into one small vector (``_observers.judge.measure``: no boolean indexing, which
+would synchronise) and read with the step's others in one transfer (``_observers.deferred``) at
+``result()``, ``step()``, the end of the ``with`` block or each ``optimizer.step()``
+(``step_hook``); ``on_divergence="warn"`` / ``"raise"`` react at the call and read per call.
+The reference's copies to the CPU (the default ``device``) are a device-to-host transfer per
+compared call on an accelerator: give ``device="same"`` there.
+
 Cost: off, nothing (no wrapper is installed).  On, per compared call: copies of the inputs, the
 reference itself, the judging, and for backward the reference's autograd, so roughly the op
 run twice in fp32 on the CPU plus copies (``benchmarks/bench_compare.py``).  ``sample`` keeps a
@@ -50,14 +59,17 @@ import torch
 
 from . import reference
 from ._observers import layer
+from ._observers.deferred import Pending, StepBoundary
 from ._observers.findings import Findings, later_lines, react
-from ._observers.judge import SOURCE, Thresholds, Verdict, judge
+from ._observers.judge import SOURCE, Thresholds, Verdict, measure
 from ._observers.layer import Call, Direction, Observer
 
 __all__ = ["CompareResult", "Divergence", "DivergenceError", "ShadowCompare", "SOURCE"]
 
 OnDivergence = Literal["record", "warn", "raise"]
 _ON = ("record", "warn", "raise")
+
+_NOTHING: tuple[torch.Tensor, ...] = ()  # a verdict known without a number: nothing to read
 
 _UP = {torch.bfloat16: torch.float32, torch.float16: torch.float32, torch.float32: torch.float64,
        torch.float64: torch.float64}
@@ -295,7 +307,9 @@ class ShadowCompare(Observer):
     ``enable()`` / ``disable()``.
 
     ``sample``: the fraction of calls compared, drawn from ``random.Random(seed)`` (a ``*_grad``
-    op run in backward is compared exactly when its forward call was); ``device``: where the
+    op run in backward is compared exactly when its forward call was, and named with its
+    module and call site); ``step_hook``: judge at every ``optimizer.step()`` (one host read
+    per step; else at ``result()`` / ``step()`` / the end); ``device``: where the
     reference runs (default the CPU; ``"same"``: each call's own device); ``backward``: also
     compare the gradients; ``on_divergence``: ``"record"`` (default), ``"warn"`` (a
     ``RuntimeWarning`` at the first) or ``"raise"`` (``DivergenceError``); ``max_events``
@@ -306,10 +320,15 @@ class ShadowCompare(Observer):
     grads = True
     modules = True
     reuse = True   # gradients of an op that consumes its own output cannot be compared
+    # sampling: a *_grad kernel run in backward follows its forward call, drawn or not; the
+    # forward call of an undrawn one must be known too, or the kernel would be drawn on its own
+    # and reported with no module and the .backward() line as its call site
+    contexts = True
 
     def __init__(self, sample: float = 1.0, *, seed: int = 0, device: str | torch.device | None
                  = None, backward: bool = True, on_divergence: OnDivergence = "record",
-                 max_events: int = 32, watch: Mapping[str, str] | None = None) -> None:
+                 max_events: int = 32, watch: Mapping[str, str] | None = None,
+                 step_hook: bool = False, limit: int = 4096) -> None:
         if not 0.0 <= float(sample) <= 1.0:
             raise ValueError(f"sample must be a fraction in [0, 1], not {sample!r}")
         if on_divergence not in _ON:
@@ -322,6 +341,12 @@ class ShadowCompare(Observer):
         self.on_divergence = on_divergence
         self.max_events = max_events
         self.watch = dict(watch or {})
+        self.step_hook = step_hook
+        # react at the call (per-call reads) only when the reaction must come from the call
+        self._at_call = on_divergence != "record"
+        self._pending: Pending[Any] = Pending(limit, on_full=self._read)
+        self._read_lock = threading.RLock()
+        self._boundary: StepBoundary | None = None
         self._lock = threading.Lock()
         self._rng = random.Random(seed)
         self._drawn: weakref.WeakSet[Call] = weakref.WeakSet()
@@ -336,13 +361,25 @@ class ShadowCompare(Observer):
                 self._watched = layer.watch(self.watch, source="opcontracts.compare")
         layer.attach(self, who="opcontracts.compare")
         self._enabled = True
+        if self.step_hook and self._boundary is None:
+            self._boundary = StepBoundary(self.step)
         return self
 
     def disable(self) -> CompareResult:
         if self._enabled:
             layer.detach(self)
             self._enabled = False
+        if self._boundary is not None:
+            self._boundary.remove()
+            self._boundary = None
         return self.result()
+
+    def step(self) -> bool:
+        """The end of a training step: judge what the step measured (one host read); whether a
+        divergence is known now.  Called by ``optimizer.step()`` with ``step_hook``."""
+        self._read()
+        with self._lock:
+            return self._found.first is not None
 
     @property
     def enabled(self) -> bool:
@@ -356,6 +393,7 @@ class ShadowCompare(Observer):
         self.disable()
 
     def reset(self) -> None:
+        self._pending.clear()
         with self._lock:
             self._found: Findings[Divergence] = Findings(self.max_events)
             self._checked = self._grads_checked = self._skipped = self._unsampled = 0
@@ -367,6 +405,8 @@ class ShadowCompare(Observer):
             self._checked_ops: dict[str, int] = {}
 
     def result(self) -> CompareResult:
+        """What was found so far (judges what is still waiting on the device first)."""
+        self._read()
         with self._lock:
             f = self._found
             return CompareResult(f.first, list(f.events), self._checked,
@@ -381,6 +421,8 @@ class ShadowCompare(Observer):
         ctx = call.context
         if ctx is not None:  # a *_grad op inside a backward node: as its forward call was
             return ctx in self._drawn
+        # no guarded forward call runs this backward (a *_grad op a user's backward calls):
+        # drawn on its own, named at its own line
         if self.sample >= 1.0:
             return True
         with self._lock:
@@ -424,6 +466,7 @@ class ShadowCompare(Observer):
                          and c.requires_grad}
         if call.context is None:
             self._drawn.add(call)
+        _ = call.site  # judged after the call: its line is looked up while it runs
         return st
 
     def _device_of(self) -> torch.device | None:
@@ -456,6 +499,8 @@ class ShadowCompare(Observer):
             self._judged(call, "output", name, a, e)
         if st.grad:
             st.ref_outs = [e for _, e in want]
+        if self._at_call:
+            self._read()
 
     def grad_output(self, call: Call, state: Any, label: str, position: int,
                     grad: torch.Tensor) -> None:
@@ -508,6 +553,8 @@ class ShadowCompare(Observer):
                 g = torch.zeros(inp.shape, dtype=inp.dtype)
             name = layer.arg_name(call.fn, k)
             self._judged(call, "input_grad", name, g, r)
+        if self._at_call:
+            self._read()
 
     # ----------------------------------------------------------------- bookkeeping
     def _error(self, op: str, exc: BaseException) -> None:
@@ -517,12 +564,31 @@ class ShadowCompare(Observer):
 
     def _judged(self, call: Call, kind: Literal["output", "input_grad"], name: str,
                 actual: torch.Tensor, expected: torch.Tensor) -> None:
+        """Measure on the device now, judge at the read (``_observers.deferred``: one transfer for every
+        judged output of a step, in the order they were measured)."""
         try:
             with torch.no_grad():
-                v: Verdict = judge(actual, expected)
+                m = measure(actual, expected)
         except Exception as exc:
             self._error(call.op, exc)
             return
+        dtype = str(actual.dtype).removeprefix("torch.")
+        shape = tuple(int(s) for s in actual.shape)
+        ref_dtype = str(expected.dtype).removeprefix("torch.")
+        if isinstance(m, Verdict):
+            self._pending.add(_NOTHING, (call, kind, name, dtype, shape, ref_dtype, m))
+        else:
+            self._pending.add(m.vector, (call, kind, name, dtype, shape, ref_dtype, m))
+
+    def _read(self) -> None:
+        """Judge every measured output waiting on the device, in order (one host read)."""
+        with self._read_lock:
+            for (call, kind, name, dtype, shape, ref_dtype, m), numbers in self._pending.read():
+                v = m if isinstance(m, Verdict) else m.verdict(numbers)
+                self._verdict(call, kind, name, dtype, shape, ref_dtype, v)
+
+    def _verdict(self, call: Call, kind: Literal["output", "input_grad"], name: str, dtype: str,
+                 shape: tuple[int, ...], ref_dtype: str, v: Verdict) -> None:
         if v.status == "pass":
             return
         if v.status == "warning":
@@ -537,15 +603,12 @@ class ShadowCompare(Observer):
         direction: Direction = "backward" if kind == "input_grad" else call.direction
         with self._lock:
             self._seq += 1
-            ev = Divergence(call.op, direction, kind, name,
-                            str(actual.dtype).removeprefix("torch."),
-                            tuple(int(s) for s in actual.shape), v.reason, v.metrics,
+            ev = Divergence(call.op, direction, kind, name, dtype, shape, v.reason, v.metrics,
                             v.thresholds, str(site) if site is not None else None, module,
-                            module_type, backward_of,
-                            str(expected.dtype).removeprefix("torch."), self._seq)
+                            module_type, backward_of, ref_dtype, self._seq)
             first = self._found.add(ev)
         if first:
-            react(self.on_divergence, ev.message(), lambda: DivergenceError(ev), stacklevel=5)
+            react(self.on_divergence, ev.message(), lambda: DivergenceError(ev), stacklevel=7)
 
 
 # --------------------------------------------------------------------------- across ranks

@@ -23,6 +23,10 @@ Use::
         loss = model(batch); loss.backward()
     print(sentinel.result())          # NanResult: .first, .events, .received
 
+    # a whole run: one host read per optimizer.step(), a warning at the step that went bad
+    with NanSentinel(always_on=True):
+        train()
+
 or ``opcontracts.nan.enable()`` / ``disable()``, or ``opcontracts run --nan-check script.py``.
 
 Why a layer and not a check in the guard: the guard's hot path must stay what it is when the
@@ -34,15 +38,25 @@ module runs.  Backward is watched through the layer's probes and node hooks (``_
 guarded call made with grad enabled the sentinel sees exactly the gradients the op sends to its
 inputs, and the gradients flowing into its outputs.
 
-Cost when on (``benchmarks/bench_nan.py``, 2-core CPU): every floating tensor argument and
-output is checked (a float32 sum read back as one scalar, ~1.5 us on CPU: one device
-synchronisation each on an accelerator; only a non-finite sum is checked element-wise), the
-call site is looked up, and with grad enabled one probe node and two node hooks are added per
-call; global ``nn.Module`` forward hooks track the module path.  Measured (1 thread, on the
-observer layer): +14 us per guarded call without grad, +36 us with grad (forward), ~+63 us per
-call for forward and backward together; the demo's 3-layer MoE training step x1.25 (18.9 to
-23.6 ms; ~3 us per call of it is the layer's dispatch, shared with the other observers).  It
-is a debugging tool: turn it on for the step that goes wrong, not for a whole run.  Under ``torch.compile`` the
+Host reads (what stalls an accelerator): none per guarded call.  Each checked tensor (every
+floating argument and output, every gradient in and out) leaves its smallest and largest element
+on its device (``aminmax``, one reduction, no ``.item()``), and the step's checks are read back
+in one transfer (``_observers.deferred``) when a result is asked for: ``result()``, ``step()``, the end of
+the ``with`` block, each ``optimizer.step()`` with ``step_hook`` (or ``always_on``).  They are
+judged in the order they were made, so the first culprit is the one a read per call would name;
+the step that turned non-finite costs one more read (the culprit's NaN and inf counts).
+``on_nan="warn"`` / ``"raise"`` react at the call, so they read at every checked call.
+Counted by ``benchmarks/bench_accelerator.py`` and ``tests/test_host_reads.py``: 1 read per
+training step, 2 or 6 layers alike (it was one per checked tensor: 28 per MoE layer).
+
+``always_on=True`` is the production mode: no tensor of the job is kept until the read (the
+culprit's NaN and inf are then not counted; everything else is named), one read per
+``optimizer.step()``, a ``RuntimeWarning`` at the step that turned non-finite.
+``opcontracts run --nan-check`` and the FSDP demo run it.
+
+CPU cost when on (``benchmarks/bench_accelerator.py``, ``bench_nan.py``): the checks, the call
+site looked up per call, and with grad enabled one probe node and two node hooks per call;
+global ``nn.Module`` forward hooks track the module path.  Under ``torch.compile`` the
 sentinel steps aside (the guard alone runs, no graph break).
 
 Limits: it sees the ops ``opcontracts.patch`` guards, nothing else (a NaN made by a plain torch
@@ -65,6 +79,7 @@ from torch import nn
 
 from ._engine.callsite import CallSite
 from ._observers import layer
+from ._observers.deferred import Pending, StepBoundary
 from ._observers.findings import Findings, later_lines, react
 from ._observers.layer import Call, Direction, Observer
 from ._observers.modpath import clean as clean_module_path
@@ -94,7 +109,7 @@ class NanEvent:
     arg: str                       # "output", "output[1]", or the argument's name
     dtype: str
     shape: tuple[int, ...]
-    nan: int
+    nan: int                       # -1: not counted (``counted``)
     inf: int
     call_site: str | None          # the user's line that called the (forward) op
     module: str | None             # qualified nn.Module path ("" for the root module)
@@ -121,6 +136,17 @@ class NanEvent:
             return f"gradient of '{self.arg}'"
         return self.arg
 
+    @property
+    def counted(self) -> bool:
+        """Whether ``nan`` and ``inf`` were counted (-1 each when not: an always-on sentinel
+        keeps no tensor until its read, so only the finiteness of the value is known)."""
+        return self.nan >= 0 and self.inf >= 0
+
+    def counted_text(self, numel: int) -> str:
+        if not self.counted:
+            return f"non-finite (NaN and inf not counted: always-on) of {numel}"
+        return f"{self.nan} NaN, {self.inf} inf of {numel}"
+
     def message(self) -> str:
         op = self.op + (f" (in the backward of {self.backward_of})" if self.backward_of else "")
         numel = 1
@@ -140,8 +166,7 @@ class NanEvent:
             tail = ""
         lines = [
             head,
-            f"  value:     {self.what}: {self.dtype} {shape}, {self.nan} NaN, {self.inf} inf "
-            f"of {numel}{tail}",
+            f"  value:     {self.what}: {self.dtype} {shape}, {self.counted_text(numel)}{tail}",
             f"  call site: {self.call_site or '?'}",
         ]
         if self.module is not None:
@@ -206,39 +231,46 @@ class NonFiniteError(ArithmeticError):
 
 
 # --------------------------------------------------------------------------- tensor helpers
-def _nonfinite(t: Any) -> bool:
-    """Whether a floating tensor holds NaN or inf.
+def _finiteness(t: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Two device scalars, the tensor's smallest and largest element, both finite exactly when
+    every element of ``t`` is (None: nothing to check: not a strided floating or complex tensor,
+    or empty).  Not read here: they stay on the device until the step's one read
+    (``_observers.deferred``).
 
-    NaN and inf survive a sum (inf - inf is NaN), so a finite sum proves a finite tensor; only
-    a non-finite sum (which may also be an overflow of finite values) is checked element-wise.
-    One reduction and one read of a scalar: ~1.5 us on CPU against ~14 us for
-    ``isfinite(t).all()``.
+    ``aminmax`` propagates NaN and shows +inf and -inf, and, unlike a sum, cannot overflow on
+    large finite values; one reduction (~3 us on a (256, 64) CPU tensor, less than a float32
+    sum), and torch_npu has it (op-plugin's ``op_plugin_functions.yaml``: ``aminmax``).
     """
-    if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.numel() == 0:
-        return False
+    if not isinstance(t, torch.Tensor):
+        return None
     if t.is_floating_point():
-        if math.isfinite(t.detach().sum(dtype=torch.float32).item()):
-            return False
-    elif not t.is_complex():
-        return False  # integers and bools are always finite
-    return not bool(torch.isfinite(t).all())
-
-
-def _counts(t: torch.Tensor) -> tuple[str, tuple[int, ...], int, int]:
-    t = t.detach()
-    nan = int(torch.isnan(t).sum())
-    inf = int(torch.isinf(t).sum())
-    return str(t.dtype).removeprefix("torch."), tuple(int(s) for s in t.shape), nan, inf
+        if t.layout != torch.strided or t.numel() == 0:
+            return None
+        return torch.aminmax(t.detach())  # type: ignore[return-value]
+    if t.is_complex() and t.layout == torch.strided and t.numel():
+        return torch.aminmax(torch.view_as_real(t.detach()))  # type: ignore[return-value]
+    return None  # integers and bools are always finite
 
 
 class _State:
-    """The sentinel's per-call state; holds no tensor."""
+    """The sentinel's per-call state: how far the (deferred) checks of this call got when
+    they were read."""
 
-    __slots__ = ("bad_input", "incoming_bad")
+    __slots__ = ("call", "bad_input", "out_done", "incoming_bad", "grad_done")
 
-    def __init__(self) -> None:
+    def __init__(self, call: Call) -> None:
+        self.call = call
         self.bad_input = False     # a non-finite input was handed in (reported as received)
+        self.out_done = False      # an output was reported already
         self.incoming_bad = False  # a non-finite gradient flowed in (reported as received)
+        self.grad_done = False     # an input's gradient was reported already
+
+
+# what a check was of: an input, an output, a gradient flowing in, a gradient sent to an input
+_IN, _OUT, _GRAD_IN, _GRAD_OUT = 0, 1, 2, 3
+
+# (what, call state, argument key or label, the tensor if kept, dtype, shape)
+_Check = tuple[int, _State, Any, "torch.Tensor | None", torch.dtype, tuple[int, ...]]
 
 
 # --------------------------------------------------------------------------- the sentinel
@@ -246,25 +278,64 @@ class NanSentinel(Observer):
     """Watch the guarded ops for the first NaN/inf; a context manager, or ``enable()`` /
     ``disable()``.  One sentinel is active at a time.
 
-    ``on_nan``: ``"record"`` (default: keep the events, read ``result()``), ``"warn"`` (also a
+    The checks are judged on the device and read back once (``_observers.deferred``): each checked
+    tensor leaves its smallest and largest element on its device, and they are read in one transfer when a
+    result is asked for (``result()``, ``step()``, ``disable()`` / the end of the ``with``
+    block), after each ``optimizer.step()`` when ``step_hook`` is on, or when ``limit`` checks
+    are waiting.  The first culprit is the same as if each call were read at once: the checks
+    are judged in the order they were made.
+
+    ``on_nan``: ``"record"`` (default: keep the events, read ``result()``), ``"warn"`` (a
     ``RuntimeWarning`` with the first event) or ``"raise"`` (``NonFiniteError`` at the first
-    event, from the op call or from ``backward()``).  ``max_events`` bounds the events kept.
+    event, from the op call or from ``backward()``); ``"warn"`` and ``"raise"`` react at the
+    call that made the culprit, so they read at every checked call (one synchronisation per
+    call on a device): use them to debug, not on a long run.  ``max_events`` bounds the events
+    kept.
+
+    ``always_on=True`` is the mode to leave on for a whole run (production): it keeps no
+    tensor of the job alive until the read (the culprit's NaN and inf are then not counted,
+    its op, argument, dtype, shape, call site and module are named exactly), reads at every
+    ``optimizer.step()`` (``step_hook``) so a run costs one host read per step, and warns at
+    the step that turned non-finite (``on_nan="warn"``, at the read) unless told otherwise.
+    Without ``always_on`` the tensors checked since the last read are kept until it (to count
+    the culprit's NaN and inf), up to ``keep_bytes`` (256 MiB; beyond, a check keeps only its
+    flag and an event from it does not count NaN and inf): call ``step()`` at the end of each
+    step, or give ``step_hook=True``.  ``limit``: checks waiting before a read is made anyway.
     """
 
     grads = True     # the layer probes inputs and hooks outputs for backward checks
     modules = True   # events name the nn.Module path
 
-    def __init__(self, *, on_nan: OnNan = "record", max_events: int = 32) -> None:
+    def __init__(self, *, on_nan: OnNan | None = None, max_events: int = 32,
+                 always_on: bool = False, step_hook: bool | None = None,
+                 limit: int = 4096, keep_bytes: int = 256 << 20) -> None:
+        if on_nan is None:
+            on_nan = "warn" if always_on else "record"
         if on_nan not in _ON_NAN:
             raise ValueError(f"on_nan must be one of {', '.join(_ON_NAN)}, not {on_nan!r}")
+        if limit < 1:
+            raise ValueError(f"limit must be at least 1, not {limit!r}")
         self.on_nan = on_nan
         self.max_events = max_events
+        self.always_on = always_on
+        self.step_hook = always_on if step_hook is None else step_hook
+        # react at the call (per-call reads) only when the reaction must come from the call
+        self._at_call = on_nan == "raise" or (on_nan == "warn" and not always_on)
+        # bytes of the job's tensors kept until the read (to count the culprit's NaN and inf);
+        # beyond, a check keeps only its flag
+        self._keep_budget = 0 if always_on else keep_bytes
+        self._kept = 0
         self._lock = threading.Lock()
+        self._read_lock = threading.RLock()
         self._enabled = False
         self._found: Findings[NanEvent] = Findings(max_events)
         self._received: NanEvent | None = None
         self._calls = 0
         self._seq = 0
+        self._steps = 0
+        self._bad_steps: list[int] = []
+        self._pending: Pending[_Check] = Pending(limit, on_full=self._read)
+        self._boundary: StepBoundary | None = None
 
     # ----------------------------------------------------------------- public
     def enable(self) -> NanSentinel:
@@ -276,6 +347,8 @@ class NanSentinel(Observer):
             self._enabled = True
             _active = self
             layer.attach(self, who="opcontracts.nan")
+            if self.step_hook and self._boundary is None:
+                self._boundary = StepBoundary(self.step)
         return self
 
     def disable(self) -> NanResult:
@@ -288,6 +361,9 @@ class NanSentinel(Observer):
                 if _active is self:
                     _active = None
                 self._enabled = False
+            if self._boundary is not None:
+                self._boundary.remove()
+                self._boundary = None
         return self.result()
 
     @property
@@ -295,14 +371,40 @@ class NanSentinel(Observer):
         return self._enabled
 
     def reset(self) -> None:
-        """Forget what was found."""
+        """Forget what was found (and the checks not read yet)."""
+        self._pending.clear()
         with self._lock:
             self._found.clear()
             self._received = None
             self._calls = 0
             self._seq = 0
+            self._steps = 0
+            self._bad_steps = []
+
+    def step(self) -> bool:
+        """The end of a training step: read the checks the step left on the device (one host
+        read) and judge them; whether a culprit is known now.  Called by ``optimizer.step()``
+        with ``step_hook``."""
+        self._read()
+        with self._lock:
+            self._steps += 1
+            if self._found.first is not None and not self._bad_steps:
+                self._bad_steps.append(self._steps)
+            return self._found.first is not None
+
+    @property
+    def steps(self) -> int:
+        """Step boundaries seen (``step()`` calls)."""
+        return self._steps
+
+    @property
+    def first_bad_step(self) -> int | None:
+        """The step (1-based, counted by ``step()``) whose read found the first culprit."""
+        return self._bad_steps[0] if self._bad_steps else None
 
     def result(self) -> NanResult:
+        """What was found so far (reads the checks still on the device first)."""
+        self._read()
         with self._lock:
             f = self._found
             return NanResult(f.first, list(f.events), self._received, self._calls, f.dropped)
@@ -314,16 +416,77 @@ class NanSentinel(Observer):
                  tb: TracebackType | None) -> None:
         self.disable()
 
+    # ----------------------------------------------------------------- the read
+    def _read(self) -> None:
+        """Judge every waiting check, in the order they were made (one host read)."""
+        with self._read_lock:
+            found: list[tuple[Any, ...]] = []
+            checks = self._pending.read()
+            self._kept = 0
+            for (what, st, key, t, dtype, shape), (lo, hi) in checks:
+                if not (math.isfinite(lo) and math.isfinite(hi)):
+                    self._judge(found, what, st, key, t, dtype, shape)
+            if not found:
+                return
+            # the step that turned non-finite: the events' NaN and inf, counted on the device
+            # for every kept tensor at once (one more read, on that step only)
+            counts: Pending[int] = Pending(limit=len(found) + 1)
+            for i, ev in enumerate(found):
+                t = ev[4]
+                if t is not None:
+                    if t.is_complex():
+                        t = torch.view_as_real(t)
+                    counts.add((torch.isnan(t).sum().reshape(1), torch.isinf(t).sum().reshape(1)),
+                               i)
+            numbers = {i: (int(n), int(f)) for i, (n, f) in counts.read()}
+            for i, ev in enumerate(found):
+                args: tuple[Any, ...] = (*ev[:4], numbers.get(i, (-1, -1)), *ev[5:])
+                self._event(*args)
+
+    def _judge(self, found: list[tuple[Any, ...]], what: int, st: _State, key: Any,
+               t: torch.Tensor | None, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        """One non-finite check, judged as the per-call logic would have at the time: the
+        event it makes, if any, goes to ``found`` (``_event``'s arguments)."""
+        call = st.call
+        if what == _IN:
+            if st.bad_input:
+                return
+            st.bad_input = True
+            site, where, backward_of = call.place()
+            found.append((call.op, call.direction, "received", layer.arg_name(call.fn, key),
+                          t, dtype, shape, site, where, backward_of))
+        elif what == _OUT:
+            if st.bad_input or st.out_done:
+                return  # handed non-finite input: not this op's doing
+            st.out_done = True
+            site, where, backward_of = call.place()
+            found.append((call.op, call.direction, "output", key, t, dtype, shape, site, where,
+                          backward_of))
+        elif what == _GRAD_IN:
+            if st.incoming_bad:
+                return
+            st.incoming_bad = True
+            found.append((call.op, "backward", "received", key, t, dtype, shape, call.site,
+                          call.where))
+        else:
+            if st.incoming_bad or st.grad_done:
+                return
+            st.grad_done = True
+            found.append((call.op, "backward", "input_grad", layer.arg_name(call.fn, key), t,
+                          dtype, shape, call.site, call.where))
+
     # ----------------------------------------------------------------- events
     def _event(self, op: str, direction: Direction,
-               kind: Literal["output", "input_grad", "received"], arg: str, t: torch.Tensor,
+               kind: Literal["output", "input_grad", "received"], arg: str,
+               counted: tuple[int, int], dtype: torch.dtype, shape: tuple[int, ...],
                site: CallSite | None, where: tuple[nn.Module, nn.Module] | None,
                backward_of: str | None = None) -> None:
-        dtype, shape, nan, inf = _counts(t)
+        nan, inf = counted
         module, module_type = layer.module_name(where)
         with self._lock:
             self._seq += 1
-            ev = NanEvent(op, direction, kind, arg, dtype, shape, nan, inf,
+            ev = NanEvent(op, direction, kind, arg, str(dtype).removeprefix("torch."),
+                          tuple(int(n) for n in shape), nan, inf,
                           str(site) if site is not None else None, module, module_type,
                           backward_of, self._seq)
             if kind == "received":
@@ -332,48 +495,48 @@ class NanSentinel(Observer):
                 return
             first = self._found.add(ev)
         if first:
-            react(self.on_nan, ev.message(), lambda: NonFiniteError(ev), stacklevel=4)
+            react(self.on_nan, ev.message(), lambda: NonFiniteError(ev), stacklevel=6)
 
     # ----------------------------------------------------------------- the observed call
+    def _check(self, what: int, st: _State, key: Any, t: Any) -> None:
+        value = _finiteness(t)
+        if value is None:
+            return
+        # dtype and shape as they come (named at the event): the hot path converts nothing
+        kept = None
+        if self._keep_budget:
+            size = t.numel() * t.element_size()
+            if self._kept + size <= self._keep_budget:
+                self._kept += size
+                kept = t.detach()
+        self._pending.add(value, (what, st, key, kept, t.dtype, t.shape))
+
     def begin(self, call: Call) -> Any:
         with self._lock:
             self._calls += 1
-        st = _State()
+        st = _State(call)
+        _ = call.site  # the event is judged after the call: its line is looked up now
         assert call.args is not None and call.kwargs is not None
         for k, t in layer.tensors(call.args, call.kwargs):
-            if _nonfinite(t):
-                st.bad_input = True
-                site, where, backward_of = call.place()
-                self._event(call.op, call.direction, "received", layer.arg_name(call.fn, k),
-                            t, site, where, backward_of)
-                break
+            self._check(_IN, st, k, t)
         return st
 
     def end(self, call: Call, state: Any, out: Any) -> None:
-        if state.bad_input:
-            return  # handed non-finite input: not this op's doing
-        bad = next(((n, t) for n, t in layer.outputs(out) if _nonfinite(t)), None)
-        if bad is None:
-            return
-        site, where, backward_of = call.place()
-        self._event(call.op, call.direction, "output", bad[0], bad[1], site, where,
-                    backward_of)
+        for n, t in layer.outputs(out):
+            self._check(_OUT, state, n, t)
+        if self._at_call:
+            self._read()
 
     def grad_output(self, call: Call, state: Any, label: str, position: int,
                     grad: torch.Tensor) -> None:
-        if state.incoming_bad or not _nonfinite(grad):
-            return
-        state.incoming_bad = True
-        self._event(call.op, "backward", "received", label, grad, call.site, call.where)
+        self._check(_GRAD_IN, state, label, grad)
 
     def grad_inputs(self, call: Call, state: Any, grads: tuple[Any, ...]) -> None:
-        if state.incoming_bad:
-            return
         for k, g in zip(call.grad_keys, grads):
-            if g is not None and _nonfinite(g):
-                self._event(call.op, "backward", "input_grad", layer.arg_name(call.fn, k),
-                            g, call.site, call.where)
-                return
+            if g is not None:
+                self._check(_GRAD_OUT, state, k, g)
+        if self._at_call:
+            self._read()
 
 
 _lock = threading.RLock()
@@ -381,13 +544,16 @@ _active: NanSentinel | None = None
 
 
 # --------------------------------------------------------------------------- module functions
-def enable(*, on_nan: OnNan = "record", max_events: int = 32) -> NanSentinel:
-    """Turn the sentinel on (or return the active one, re-syncing with the patch)."""
+def enable(*, on_nan: OnNan | None = None, max_events: int = 32, always_on: bool = False,
+           step_hook: bool | None = None) -> NanSentinel:
+    """Turn the sentinel on (or return the active one, re-syncing with the patch); the
+    arguments are ``NanSentinel``'s."""
     with _lock:
         s = _active
         if s is not None:
             return s.enable()
-        return NanSentinel(on_nan=on_nan, max_events=max_events).enable()
+        return NanSentinel(on_nan=on_nan, max_events=max_events, always_on=always_on,
+                           step_hook=step_hook).enable()
 
 
 def disable() -> NanResult | None:

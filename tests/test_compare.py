@@ -180,6 +180,29 @@ def test_sampling_is_seeded_and_grad_kernels_follow_their_forward_call(
         assert a.checked_ops.get(op + "_grad", 0) == a.checked_ops.get(op, 0)
 
 
+def test_sampling_keeps_the_forward_place_of_every_compared_backward_call(
+        moe: types.ModuleType) -> None:
+    """Without the sentinel, an unsampled forward call still tells its *_grad kernel which
+    call it belongs to: the kernel is left out as its forward call was, never drawn on its
+    own and then reported with no module and the ``.backward()`` line as its call site."""
+    seen = 0
+    for draw_seed in range(4):
+        model = _model(moe, 0, 3)
+        ids, targets = demo._batch(0)
+        with opcontracts.mode("off"), ShadowCompare(sample=0.5, seed=draw_seed) as sc:
+            model(ids, targets).backward()  # the line a stray *_grad kernel would be named at
+        res = sc.result()
+        for op in ("npu_moe_token_unpermute", "npu_moe_token_permute"):
+            assert res.checked_ops.get(op + "_grad", 0) == res.checked_ops.get(op, 0), res
+        for e in res.events:
+            if e.direction == "backward":
+                seen += 1
+                assert e.module is not None and e.module.endswith(".mlp"), e
+                assert e.call_site is not None and e.call_site.startswith("moe_block.py:"), e
+                assert e.kind == "input_grad" or e.backward_of is not None, e
+    assert seen  # the incident's unpermute backward diverges in some drawn call
+
+
 # --------------------------------------------------------------------------- small ops
 MOD = "compare_test_ops"
 
@@ -373,6 +396,24 @@ def test_thresholds_per_dtype_follow_msprobe() -> None:
     assert (f32.error_rel, f32.error_share, f32.warn_rel, f32.warn_share) == (
         0.001, 0.999, 0.0001, 0.9999)
     assert thresholds_for(torch.int32).exact and "msprobe" in bf.source
+
+
+def test_judged_on_the_device_the_finite_part_decides_when_non_finite_elements_agree() -> None:
+    """No boolean indexing (it would synchronise): the elements non-finite alike on both sides
+    are masked, and the verdict and metrics are those of the finite elements alone."""
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(64, generator=g, dtype=torch.float64)
+    out = (ref * (1 + 3e-4 * torch.randn(64, generator=g, dtype=torch.float64))).float()
+    ref2, out2 = ref.clone(), out.clone()
+    ref2[[3, 9]], out2[[3, 9]] = float("inf"), float("inf")
+    ref2[20], out2[20] = float("nan"), float("nan")
+    keep = torch.ones(64, dtype=torch.bool)
+    keep[[3, 9, 20]] = False
+    masked, alone = judge(out2, ref2), judge(out[keep], ref[keep])
+    assert (masked.status, masked.reason) == (alone.status, alone.reason)
+    assert masked.metrics == pytest.approx(alone.metrics, rel=1e-6)
+    out2[9] = -float("inf")  # not alike any more
+    assert judge(out2, ref2).metrics == {"nonfinite_mismatch": 1}
 
 
 def test_judge_rules() -> None:

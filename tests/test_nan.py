@@ -223,6 +223,45 @@ def test_backward_nan_names_op_input_and_forward_place(ops: types.ModuleType) ->
     assert [ev.op for ev in r.events] == ["t.bad_backward"]
 
 
+def test_kept_tensors_are_bounded_and_an_uncounted_event_still_names_the_culprit(
+        ops: types.ModuleType) -> None:
+    x = torch.randn(3, 4, requires_grad=True)
+    with NanSentinel(keep_bytes=0) as s:  # nothing kept until the read: flags only
+        Net("bad_backward")(x).sum().backward()
+    e = s.result().first
+    assert e is not None and (e.op, e.kind, e.arg) == ("t.bad_backward", "input_grad", "x")
+    assert not e.counted and e.nan == e.inf == -1 and e.shape == (3, 4)
+    assert "NaN and inf not counted" in e.message()
+
+
+def test_the_checks_are_read_at_step_and_at_each_optimizer_step(ops: types.ModuleType) -> None:
+    x = torch.randn(3, 4, requires_grad=True)
+    opt = torch.optim.SGD([x], lr=0.1)
+    with NanSentinel(step_hook=True) as s:
+        Net("good")(x).sum().backward()
+        assert len(s._pending) > 0  # judged later: nothing was read at the calls
+        opt.step()
+        assert len(s._pending) == 0 and s.steps == 1 and s.first_bad_step is None
+        Net("bad_backward")(x).sum().backward()
+        assert s.step() and s.first_bad_step == 2
+
+
+def test_a_bounded_backlog_reads_by_itself_and_finds_the_same_culprit(
+        ops: types.ModuleType) -> None:
+    x = torch.randn(3, 4, requires_grad=True)
+    with NanSentinel() as free:
+        Net("bad_backward")(x).sum().backward()
+    with NanSentinel(limit=3) as bounded:
+        Net("bad_backward")(x).sum().backward()
+        assert len(bounded._pending) < 3
+    a, b = free.result().first, bounded.result().first
+    assert a is not None and b is not None
+    assert (a.op, a.kind, a.arg, a.module, a.call_site, a.nan) == (
+        b.op, b.kind, b.arg, b.module, b.call_site, b.nan)
+    with pytest.raises(ValueError, match="limit"):
+        NanSentinel(limit=0)
+
+
 def test_nan_gradient_from_an_unwatched_op_is_received_not_blamed(ops: types.ModuleType) -> None:
     x = torch.randn(3, requires_grad=True)
     with NanSentinel() as s:

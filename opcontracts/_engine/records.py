@@ -288,7 +288,9 @@ _NAN_EVENT_FIELDS: dict[str, tuple[Any, str, bool]] = {
     "arg": (*_STR, True), "dtype": (*_STR, True),
     "shape": (lambda v: isinstance(v, list) and all(_is_int(s) for s in v),
               "a list of sizes", True),
-    "nan": (_is_int, "an integer >= 0", True), "inf": (_is_int, "an integer >= 0", True),
+    # -1: not counted (an always-on sentinel keeps no tensor until its read: NanEvent.counted)
+    "nan": (lambda v: _is_int(v, -1), "an integer >= -1", True),
+    "inf": (lambda v: _is_int(v, -1), "an integer >= -1", True),
     "call_site": (*_OPT_STR, False), "module": (*_OPT_STR, False),
     "module_type": (*_OPT_STR, False), "backward_of": (*_OPT_STR, False),
     "seq": (_is_int, "an integer >= 0", False),

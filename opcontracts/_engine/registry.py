@@ -9,7 +9,6 @@ unknown, their intersection (every rule of every candidate: the strictest readin
 from __future__ import annotations
 
 import os
-import sys
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -19,15 +18,11 @@ from typing import TYPE_CHECKING, Any
 from .._lang import targets as _targets
 from .._lang import versions
 from ..errors import ContractFileError, OpContractsError
+from . import contract_index
 
 if TYPE_CHECKING:  # pydantic is imported when contracts are first validated, not at import
     from ..spec import Arg, Contract
     from .readings import Resolution
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 __all__ = ["register", "unregister", "get_contract", "resolve", "all_contracts", "clear",
            "shipped_contracts_dir", "load_shipped", "UnknownOpError", "merge_contracts",
@@ -106,15 +101,7 @@ def _changed() -> None:
 
 def shipped_contracts_dir() -> Path:
     """The folder of contract files shipped with the package (``opcontracts/contracts``)."""
-    try:
-        from importlib.resources import files
-
-        p = Path(str(files("opcontracts.contracts")))
-        if p.is_dir():
-            return p
-    except (ModuleNotFoundError, TypeError):  # pragma: no cover - broken install
-        pass
-    return Path(__file__).resolve().parent.parent / "contracts"  # pragma: no cover
+    return contract_index.shipped_folder()
 
 
 def register(contracts: Contract | Iterable[Contract], *, replace: bool = False) -> None:
@@ -436,24 +423,23 @@ _index: list[IndexEntry] | None = None
 
 
 def shipped_index() -> list[IndexEntry]:
-    """The shipped contracts' ops, targets and ``when`` tables (validated later, on first use;
-    the test suite validates every shipped file)."""
+    """The shipped contracts' ops, targets, ``when`` and argument tables (validated later, on
+    first use; the test suite validates every shipped file): from ``contracts/index.json`` when
+    it is current for the shipped files (their hashes match: ``contract_index``), else read from
+    the files themselves."""
     global _index
     with _lock:
         if _index is None:
-            out: list[IndexEntry] = []
-            for f in sorted(shipped_contracts_dir().rglob("*.toml")):
+            folder = shipped_contracts_dir()
+            entries = contract_index.load(folder)
+            if entries is None:
                 try:
-                    data = tomllib.loads(f.read_text(encoding="utf-8"))
-                except (OSError, tomllib.TOMLDecodeError) as exc:
-                    raise ContractFileError(f"cannot read: {exc}", file=str(f)) from None
-                for t in data.get("contract", []):
-                    targets = t.get("targets", ())
-                    targets = (targets,) if isinstance(targets, str) else tuple(targets)
-                    args = t.get("args")
-                    out.append(IndexEntry(str(t.get("op")), targets, t.get("when"), str(f),
-                                          args if isinstance(args, dict) else None))
-            _index = out
+                    entries = contract_index.entries_from_files(folder)
+                except contract_index.UnreadableFile as exc:
+                    raise ContractFileError(f"cannot read: {exc.reason}",
+                                            file=str(exc.file)) from None
+            _index = [IndexEntry(e["op"], tuple(e["targets"]), e.get("when"),
+                                 str(folder / e["file"]), e.get("args")) for e in entries]
         return list(_index)
 
 

@@ -31,7 +31,8 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["SOURCE", "Thresholds", "Verdict", "judge", "thresholds_for"]
+__all__ = ["SOURCE", "Judged", "Measured", "Thresholds", "Verdict", "judge", "measure",
+           "thresholds_for"]
 
 SOURCE = ("msprobe API accuracy checker (Ascend/msprobe, api_accuracy_checker/compare: cosine > "
           "0.99; max abs error < 0.001 passes; dual-100/1000 for fp16/bf16, dual-1000/10000 "
@@ -102,9 +103,48 @@ class Verdict:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass
+class Measured:
+    """An output measured against its reference on the device, not read yet: ``vector`` holds
+    every number the rules need (``_FIELDS`` for a floating output, the count of unequal
+    elements for an index one); ``verdict`` turns the numbers, once read, into a ``Verdict``."""
+
+    thresholds: Thresholds
+    vector: torch.Tensor
+    numel: int
+
+    def verdict(self, numbers: list[float]) -> Verdict:
+        return _verdict(self, numbers)
+
+
+Judged = Verdict | Measured
+
+
 def judge(actual: torch.Tensor, expected: torch.Tensor) -> Verdict:
     """Judge ``actual`` (the op's output, any device) against ``expected`` (the reference's,
-    at a higher precision); neither is modified."""
+    at a higher precision); neither is modified.  One host read (``measure`` then the read)."""
+    m = measure(actual, expected)
+    if isinstance(m, Verdict):
+        return m
+    return m.verdict(m.vector.tolist())
+
+
+# the numbers of a floating output's vector, in order
+_FIELDS = ("ok", "n_both", "max_abs", "max_rel", "h", "t", "tt", "dot", "uu", "vv", "amax",
+           "emax")
+
+
+def measure(actual: torch.Tensor, expected: torch.Tensor) -> Judged:
+    """Everything the rules read, computed on the device without reading anything (a verdict
+    right away only for what needs no number: a shape mismatch, an empty output).
+
+    No data-dependent shapes (boolean indexing synchronises): an element is *ok* when it is
+    finite on both sides or non-finite alike on both (the same inf, or NaN and NaN); the
+    elements not finite on both sides are zeroed (``nan_to_num``) for the metrics, which then
+    are the finite elements' whenever every element is ok (else the verdict is an error
+    anyway), and the shares leave them out.  The metrics are those of judging with a read per
+    output, to the bit.  Read the vector (with the step's others, in one transfer:
+    ``_observers.deferred``) and call ``Measured.verdict``."""
     th = thresholds_for(actual.dtype)
     a = actual.detach().to(expected.device)
     e = expected.detach()
@@ -113,69 +153,78 @@ def judge(actual: torch.Tensor, expected: torch.Tensor) -> Verdict:
                        th, {})
     n = a.numel()
     if th.exact:
-        wrong = int((a != e.to(a.dtype)).sum()) if n else 0
-        rate = {"error_rate": wrong / n if n else 0.0}
-        if wrong:
-            return Verdict("error", f"{wrong} of {n} elements differ (index output: every "
-                           "element must be equal)", th, rate)
-        return Verdict("pass", "equal", th, rate)
+        if not n:
+            return Verdict("pass", "equal", th, {"error_rate": 0.0})
+        return Measured(th, (a != e.to(a.dtype)).sum().reshape(1), n)
     if n == 0:
         return Verdict("pass", "empty", th, {})
     work = torch.float64 if e.dtype == torch.float64 else torch.float32
     af, ef = a.to(work), e.to(work)
     fin_a = torch.isfinite(af)
     fin_e = torch.isfinite(e.to(a.dtype)) if e.dtype != a.dtype else torch.isfinite(ef)
-    if not bool(fin_a.all() & fin_e.all()):  # the rare path: some element is not finite
-        both = fin_a & fin_e
-        odd = ~fin_a & ~fin_e & ~((af == ef) | (torch.isnan(af) & torch.isnan(ef)))
-        bad_fin = int((fin_a != fin_e).sum()) + int(odd.sum())
-        if bad_fin:
-            return Verdict("error", f"{bad_fin} of {n} elements non-finite where the "
-                           "reference is finite (or the other way round)", th,
-                           {"nonfinite_mismatch": bad_fin})
-        af, ef = af[both], ef[both]
-        if af.numel() == 0:
-            return Verdict("pass", "no finite elements; non-finite ones agree", th, {})
-    m = _metrics(af, ef, torch.finfo(e.dtype if e.dtype.is_floating_point else work).eps)
-    cos = m["cosine"]
+    both = fin_a & fin_e
+    ok = both | (af == ef) | (torch.isnan(af) & torch.isnan(ef))  # or the same inf, or NaNs
+    af, ef = torch.nan_to_num(af, 0.0, 0.0, 0.0), torch.nan_to_num(ef, 0.0, 0.0, 0.0)
+    eps = torch.finfo(e.dtype if e.dtype.is_floating_point else work).eps
+    abs_err = (af - ef).abs()
+    e_abs = ef.abs()
+    rel = abs_err / (e_abs + eps)
+    na, ne = af.abs().amax(), e_abs.amax()
+    scale = torch.maximum(na, ne).clamp_min(torch.finfo(work).tiny)
+    u, v = af / scale, ef / scale  # scaled first, as msprobe does: no overflow in the sums
+    counts = torch.stack([ok.sum(), both.sum(), (rel < 0.01).sum(), (rel < 0.001).sum(),
+                          (rel < 0.0001).sum()]).to(work)  # counted as integers: exact
+    vec = torch.cat([counts[:2], torch.stack([abs_err.amax(), rel.amax()]), counts[2:],
+                     torch.stack([(u * v).sum(), (u * u).sum(), (v * v).sum(), na, ne])])
+    return Measured(th, vec, n)
+
+
+def _verdict(m: Measured, numbers: list[float]) -> Verdict:
+    """msprobe's rules on the numbers ``measure`` left on the device."""
+    th, n = m.thresholds, m.numel
+    if th.exact:
+        wrong = int(numbers[0])
+        rate = {"error_rate": wrong / n}
+        if wrong:
+            return Verdict("error", f"{wrong} of {n} elements differ (index output: every "
+                           "element must be equal)", th, rate)
+        return Verdict("pass", "equal", th, rate)
+    f = dict(zip(_FIELDS, numbers))
+    bad_fin, n_both = n - int(f["ok"]), int(f["n_both"])
+    if bad_fin:
+        return Verdict("error", f"{bad_fin} of {n} elements non-finite where the "
+                       "reference is finite (or the other way round)", th,
+                       {"nonfinite_mismatch": bad_fin})
+    if n_both == 0:
+        return Verdict("pass", "no finite elements; non-finite ones agree", th, {})
+    k, zeroed = float(n_both), n - n_both  # the zeroed elements count as within every bound
+    met = {"max_abs": f["max_abs"], "max_rel": f["max_rel"],
+           "rel_err_hundredth": (f["h"] - zeroed) / k,
+           "rel_err_thousandth": (f["t"] - zeroed) / k,
+           "rel_err_ten_thousandth": (f["tt"] - zeroed) / k,
+           "cosine": _cosine(f["dot"], f["uu"], f["vv"], f["amax"], f["emax"], n_both)}
+    cos = met["cosine"]
     assert th.cosine is not None and th.max_abs_pass is not None
     if not cos > th.cosine:
-        return Verdict("error", f"cosine similarity {cos:.4g}, needs > {th.cosine}", th, m)
-    if m["max_abs"] < th.max_abs_pass:
-        return Verdict("pass", f"max abs error {m['max_abs']:.3g} < {th.max_abs_pass}", th, m)
+        return Verdict("error", f"cosine similarity {cos:.4g}, needs > {th.cosine}", th, met)
+    if met["max_abs"] < th.max_abs_pass:
+        return Verdict("pass", f"max abs error {met['max_abs']:.3g} < {th.max_abs_pass}", th,
+                       met)
     assert th.error_rel is not None and th.error_share is not None
     assert th.warn_rel is not None and th.warn_share is not None
-    share = m[_SHARE[th.error_rel]]
+    share = met[_SHARE[th.error_rel]]
     if not share > th.error_share:
         return Verdict("error", f"{_pct(share)} of elements within {_pct(th.error_rel)} relative "
-                       f"error, needs > {_pct(th.error_share)}", th, m)
-    warn = m[_SHARE[th.warn_rel]]
+                       f"error, needs > {_pct(th.error_share)}", th, met)
+    warn = met[_SHARE[th.warn_rel]]
     if not warn > th.warn_share:
         return Verdict("warning", f"{_pct(warn)} of elements within {_pct(th.warn_rel)}, "
-                       f"msprobe warns below {_pct(th.warn_share)}", th, m)
-    return Verdict("pass", f"{_pct(warn)} of elements within {_pct(th.warn_rel)}", th, m)
+                       f"msprobe warns below {_pct(th.warn_share)}", th, met)
+    return Verdict("pass", f"{_pct(warn)} of elements within {_pct(th.warn_rel)}", th, met)
 
 
 _SHARE = {0.01: "rel_err_hundredth", 0.001: "rel_err_thousandth",
           0.0001: "rel_err_ten_thousandth"}
-
-
-def _metrics(af: torch.Tensor, ef: torch.Tensor, eps: float) -> dict[str, float]:
-    """Every number the rules read, computed on the device and read back at once (one
-    synchronisation): max abs / rel error, the shares within 1%, 0.1%, 0.01%, the cosine."""
-    abs_err = (af - ef).abs()
-    rel = abs_err / (ef.abs() + eps)
-    na, ne = af.abs().max(), ef.abs().max()
-    scale = torch.maximum(na, ne).clamp_min(torch.finfo(af.dtype).tiny)
-    u, v = af / scale, ef / scale  # scaled first, as msprobe does: no overflow in the sums
-    n = float(af.numel())
-    vals = torch.stack([abs_err.max(), rel.max(), (rel < 0.01).sum().to(af.dtype),
-                        (rel < 0.001).sum().to(af.dtype), (rel < 0.0001).sum().to(af.dtype),
-                        (u * v).sum(), (u * u).sum(), (v * v).sum(), na, ne]).tolist()
-    max_abs, max_rel, h, t, tt, dot, uu, vv, amax, emax = vals
-    return {"max_abs": max_abs, "max_rel": max_rel, "rel_err_hundredth": h / n,
-            "rel_err_thousandth": t / n, "rel_err_ten_thousandth": tt / n,
-            "cosine": _cosine(dot, uu, vv, amax, emax, int(n))}
 
 
 def _cosine(dot: float, uu: float, vv: float, amax: float, emax: float, n: int) -> float:

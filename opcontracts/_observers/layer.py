@@ -280,6 +280,11 @@ class Observer:
     grads: bool = False
     modules: bool = False
     reuse: bool = False  # wants ``Call.reused`` (a walk of the op's graph per call with grad)
+    # wants ``Call.context`` for a call made in backward even when it skipped (``begin``
+    # returned None for) the forward call whose backward runs it: the layer then hooks the
+    # outputs of every call made with grad (two node hooks, no probe), so that a sampling
+    # observer can tell "the forward call was not drawn" from "no guarded forward call"
+    contexts: bool = False
 
     def begin(self, call: Call) -> Any:
         """Before the kernel runs: per-call state, or None to ignore this call."""
@@ -326,6 +331,7 @@ class _Dispatch:
     def __init__(self) -> None:
         self.counters: tuple[Counter, ...] = ()
         self.observers: tuple[Observer, ...] = ()
+        self.contexts = False  # an attached observer wants ``Call.context`` for every call
         self.tls = threading.local()
 
     def depth(self) -> int:
@@ -370,6 +376,8 @@ class _Dispatch:
                     o.end(call, s, out)
             if grad_obs:
                 self._hook_outputs(call, grad_obs, out)
+            elif self.contexts and torch.is_grad_enabled():
+                self._hook_outputs(call, [], out)  # only which call a backward node is
         finally:
             call.args = call.kwargs = None
             call._frame = None
@@ -650,6 +658,7 @@ def _publish() -> None:
     lock) and run the module hooks exactly while an observer needs them."""
     _dispatch.counters = tuple(o for o in _attached if isinstance(o, Counter))
     _dispatch.observers = tuple(o for o in _attached if isinstance(o, Observer))
+    _dispatch.contexts = any(o.contexts for o in _dispatch.observers)
     wants_modules = any(getattr(o, "modules", False) for o in _dispatch.observers)
     if wants_modules and not _modules.running:
         _modules.start()

@@ -62,7 +62,8 @@ options:
                    shipped ones, as OPCONTRACTS_CONTRACTS is, and passed on to the processes
                    the script starts); a file with a problem stops the run (exit status 2)
   --nan-check      watch the guarded ops for the first one that produces NaN/inf
-                   (opcontracts.nan); its finding is printed with the report
+                   (opcontracts.nan, always-on: one host read per optimizer step); its
+                   finding is printed with the report
   --compare [RATE] compare guarded calls with their plain-PyTorch references (forward and
                    backward, msprobe's thresholds; opcontracts.compare); RATE is the fraction
                    of calls compared (seeded; default 1)
@@ -411,11 +412,14 @@ class _Watchers:
         if self.opts.nan_check:
             from ..nan import NanSentinel
 
-            self.sentinel = NanSentinel().enable()
+            # always-on: one host read per step (at optimizer.step() and at the end), no
+            # tensor of the job kept; the run's report names the culprit
+            self.sentinel = NanSentinel(always_on=True, on_nan="record").enable()
         if self.opts.compare is not None:
             from ..compare import ShadowCompare
 
-            self.compare = ShadowCompare(sample=self.opts.compare).enable()
+            # judged at each optimizer.step() (one host read per step) and at the end
+            self.compare = ShadowCompare(sample=self.opts.compare, step_hook=True).enable()
         if self.opts.record is not None:
             from ..record import Recorder
 
