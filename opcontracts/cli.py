@@ -204,7 +204,12 @@ def _cmd_list(ns: argparse.Namespace) -> int:
     contracts = _load_for_list(ns.contracts or ())
     if ns.coverage:
         return _coverage(ns, contracts)
+    from ._lang import targets as _targets
+
     env = _versions.current()
+    declared = _targets.declared()
+    if len(declared[0]) == 1:  # one target: what applies is judged on it
+        env = _targets.stacks(env, declared[0])[0]
     by_op: dict[str, list[Contract]] = {}
     for c in sorted(contracts, key=lambda c: (c.op, c.file or "")):
         if _matches(c.op, ns.pattern):
@@ -219,9 +224,7 @@ def _cmd_list(ns: argparse.Namespace) -> int:
               "loaded; `opcontracts list` shows them all)", file=sys.stderr)
         return 1
     print(f"environment: {_env_line(env)}")
-    from ._lang import targets as _targets
-
-    targets, origin = _targets.declared()
+    targets, origin = declared
     for t in targets:
         print(f"  judged on {t.label}, from {origin}")
     if any(ok is None for v in verdicts_by_op.values() for _, ok in v):
@@ -297,9 +300,13 @@ def _list_json(ns: argparse.Namespace, env: Env,
                           for case in c.cases],
             })
         merged = registry.resolve(op) if any(ok is not False for _, ok in verdicts) else None
+        res = registry.resolution(op) if merged is not None else None
         ops.append({"op": op, "contracts": items,
                     "enforced": {name: _arg_json(a) for name, a in merged.args.items()}
-                    if merged is not None else None})
+                    if merged is not None else None,
+                    "readings": [{"stack": res.stack_label(r.stack), "assumes": r.label or None,
+                                  "contracts": [c.source for c in r.contracts]}
+                                 for r in res.readings] if res is not None and res.split else []})
     return {
         "environment": _env_json(env)["versions"],
         "pattern": ns.pattern,

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from ._attach.patcher import Patcher, PatchRecord
 from ._attach.use import env_contracts
 from ._engine import registry
-from ._lang import modes
+from ._lang import modes, targets
 from ._lang.envwarn import warn_setting
 from .errors import OpContractsError
 
@@ -100,4 +100,5 @@ def is_applied() -> bool:
 
 
 modes.check_setting()  # OPCONTRACTS_MODE=stirct stops the job here, naming the variable
+targets.check()  # so does OPCONTRACTS_TARGETS=cann=8.x (or a bad [tool.opcontracts] table)
 apply()

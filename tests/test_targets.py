@@ -192,6 +192,20 @@ def test_a_bad_env_var_stops_the_start_up_not_a_call(monkeypatch: pytest.MonkeyP
         opcontracts.enforce("npu_moe_token_permute")(lambda tokens, indices: tokens)
 
 
+def test_a_bad_env_var_stops_import_opcontracts_patch() -> None:
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPCONTRACTS_")}
+    env[targets.VAR] = "cann=eight"
+    proc = subprocess.run([sys.executable, "-c", "import opcontracts.patch"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "opcontracts.errors.SettingError: OPCONTRACTS_TARGETS, field cann: 'eight' is not a "
+        "version (try '2.10.0.post4' or '8.0.RC3')")
+
+
 def test_pyproject_found_from_the_working_directory_upwards(tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(targets.VAR, raising=False)
@@ -242,6 +256,9 @@ def test_judged_stacks_for_tools(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(targets.VAR, "none")
     [(label, env)] = targets.judged()
     assert label == "this environment"
+    registry.register([NEW, OLD])
+    res = registry.resolution_on("tgt_op", targets.parse_targets_text("cann=8.0.RC3"))
+    assert not res.split and res.strict is OLD
 
 
 def test_env_command_shows_the_targets_and_where_from(monkeypatch: pytest.MonkeyPatch,
@@ -278,3 +295,16 @@ def test_fix_mode_says_why_it_does_not_cast_integers() -> None:
         guarded(I32, torch.zeros(2, dtype=torch.bfloat16))
     assert ("(fix mode did not cast: fix mode casts floats only; an integer or bool cast "
             "(int32 -> int64) needs fix = \"cast\" on the argument") in str(err.value)
+
+
+def test_torch_compile_judges_on_the_readings_too(op: Any) -> None:
+    """The trace-time decision (``_engine/traced.py``) treats a conditional call as eager does:
+    a warning, and the call traced as it came (fullgraph: no raise at trace time)."""
+    compiled = torch.compile(lambda x, i: op(x, i) + 1, backend="eager", fullgraph=True)
+    with opcontracts.mode("strict"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = compiled(X, I32)
+    assert torch.equal(out, X + 1)
+    assert any(w.category is ContractConditionalWarning for w in caught)
+    with opcontracts.mode("strict"), pytest.raises(Exception, match="rejected on each of the 2 readings|expected int64"):
+        torch.compile(lambda x, i: op(x, i) + 1, backend="eager", fullgraph=True)(X, I16)

@@ -53,7 +53,8 @@ def resolution(cc: CompiledContract) -> Resolution | None:
 
 
 def judge(cc: CompiledContract, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Verdict | None:
-    """The call on every reading of ``cc``'s resolution; None when there is one reading."""
+    """The call on every reading of ``cc``'s resolution; None when there is one reading (or the
+    readings cannot judge this call): the strict verdict stands."""
     res = resolution(cc)
     if res is None:
         return None
@@ -157,4 +158,5 @@ def reading_note(verdict: Verdict) -> str:
         return f"rejected on {stack}{more}"
     return (f"{_unknown_text(res)}: rejected on each of the {n} readings "
             f"({'; '.join(x.label for x in res.readings)}); the message shows the strictest, "
-            f"which the fix satisfies on all of them")
+            f"which the fix satisfies on all of them (a declared target shows its own rule: "
+            f"OPCONTRACTS_TARGETS, see docs/targets.md)")

@@ -75,13 +75,15 @@ class Resolution:
     targets: tuple[Target, ...]
     unknown: tuple[str, ...]
     """the fields whose being unknown splits the readings (``("cann",)``)"""
-    _compiled: dict[Any, list[CompiledContract | None]] = field(default_factory=dict, repr=False)
+    _compiled: dict[Any, list[CompiledContract]] = field(default_factory=dict, repr=False)
 
-    @property
-    def split(self) -> bool:
-        """Whether a call's verdict can differ between readings."""
+    split: bool = field(init=False)
+    """whether a call's verdict can differ between readings (decided once: the slow path of
+    every violating call asks)"""
+
+    def __post_init__(self) -> None:
         first = self.readings[0].contract if self.readings else None
-        return any(r.contract != first for r in self.readings[1:])
+        self.split = any(r.contract != first for r in self.readings[1:])
 
     def stack_label(self, index: int) -> str:
         if self.targets and index < len(self.targets):
@@ -89,33 +91,32 @@ class Resolution:
         return "this environment"
 
     def judge(self, params: Sequence[Param], args: tuple[Any, ...], kwargs: dict[str, Any],
-              compile_for: Callable[[Contract, Sequence[Param]], CompiledContract]) -> Verdict:
-        """Check the call on every reading (each compiled once per parameter list)."""
+              compile_for: Callable[[Contract, Sequence[Param]], CompiledContract]
+              ) -> Verdict | None:
+        """Check the call on every reading (each compiled once per parameter list); None when
+        a reading cannot be compiled for these parameters (the strict verdict then stands)."""
         key = tuple(params)
         ccs = self._compiled.get(key)
         if ccs is None:
-            ccs = []
-            for r in self.readings:
-                try:
-                    ccs.append(compile_for(r.contract, params))
-                except Exception:  # noqa: BLE001 - a reading that cannot be built rejects
-                    ccs.append(None)
+            try:
+                ccs = [compile_for(r.contract, params) for r in self.readings]
+            except Exception:  # noqa: BLE001 - judged as the strict checker judges it
+                ccs = []
             self._compiled[key] = ccs
+        if not ccs:
+            return None
         rejected: list[tuple[Reading, RawViolation]] = []
         accepted: list[Reading] = []
         by_stack: dict[int, list[bool]] = {}
         for r, cc in zip(self.readings, ccs):
-            raw = None
-            if cc is not None:
-                try:
-                    raw = cc.check(*args, **kwargs)
-                except TypeError:
-                    raw = None
-            ok = cc is not None and raw is None
-            by_stack.setdefault(r.stack, []).append(ok)
-            if ok:
+            try:
+                raw = cc.check(*args, **kwargs)
+            except TypeError:  # the arguments do not bind: the strict verdict stands
+                return None
+            by_stack.setdefault(r.stack, []).append(raw is None)
+            if raw is None:
                 accepted.append(r)
-            elif raw is not None:
+            else:
                 rejected.append((r, raw))
         decided = None
         for stack, oks in by_stack.items():

@@ -205,6 +205,17 @@ def resolution(op: str) -> Resolution | None:
         return _resolutions.get(op)
 
 
+def resolution_on(op: str, targets: tuple[_targets.Target, ...]) -> Resolution:
+    """The readings of ``op`` on the given targets (a tool's own flags: the msprobe dump
+    reader), whatever is declared; not cached, not what the guards enforce.  ``targets`` empty:
+    this environment.  ``UnknownOpError`` if no contract is registered for ``op``."""
+    from .readings import resolve_readings
+
+    resolve(op)  # loads the shipped packs on a miss; raises for an unknown op
+    return resolve_readings(op, candidates(op), _targets.stacks(versions.current(), targets),
+                            targets, merge_contracts)
+
+
 def resolution_of(contract: Contract | None) -> Resolution | None:
     """The resolution whose enforced contract is ``contract`` (the very object), if any."""
     if contract is None:

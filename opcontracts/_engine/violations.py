@@ -403,15 +403,18 @@ def _violated(m: _modes.Mode, cc: CompiledContract, fn: Callable[..., Any],
             first = cc.check(*args, **kwargs)
         except TypeError:  # the arguments do not even bind: let the original say so
             return fn(*args, **kwargs)
-        verdict = _conditional.judge(cc, args, kwargs) if first is not None else None
-        if verdict is None or verdict.decided is None:
+        if first is None:  # e.g. the fast check is stricter about an exotic argument type
+            return fn(*args, **kwargs)
+        verdict = _conditional.judge(cc, args, kwargs)  # None: the strict verdict stands
+        if verdict is not None and verdict.decided is None:
             # (inside a violating guarded call the user's mistake is already reported)
-            if verdict is not None and verdict.conditional and nesting.outer() is None:
+            if verdict.conditional and nesting.outer() is None:
                 _conditional.warn_conditional(verdict, cc, _actual, caller, args, kwargs)
             return fn(*args, **kwargs)  # conditional (warned), or accepted on every reading
-        reading = _conditional.reading_note(verdict)
-        if verdict.resolution.targets:  # a declared target rejects: in its own contract's words
-            decided = verdict.decided[1]
+        if verdict is not None and verdict.decided is not None:
+            reading = _conditional.reading_note(verdict)
+            if verdict.resolution.targets:  # a declared target rejects: in its own words
+                decided = verdict.decided[1]
     outer = nesting.outer() if m is not _modes.STRICT else None
     if outer is not None:  # inside a violating guarded call: the same mistake, attached to it
         return _nested(outer, m, cc, fn, args, kwargs, caller)
