@@ -8,7 +8,7 @@ import threading
 
 from torch.library import Library
 
-from . import _ops, _profiles
+from . import _device, _ops, _profiles
 from ._standins import MODULE_NAMES, StandinFinder, is_standin
 
 __all__ = ["current_profile", "install", "installed", "uninstall"]
@@ -41,6 +41,7 @@ def install(
     *,
     version: str = DEFAULT_TORCH_NPU_VERSION,
     mindspeed_version: str = DEFAULT_MINDSPEED_VERSION,
+    device: bool | str = False,
 ) -> None:
     """Register the emulated ``torch.ops.npu`` ops and the stand-in modules.
 
@@ -48,6 +49,12 @@ def install(
     again only switches the profile (and the reported versions). When ``opcontracts.patch`` is
     applied, the new ops are guarded at once (the patch is applied again). Raises RuntimeError when a
     real torch_npu is loaded or importable: the emulation never shadows real kernels.
+
+    ``device=True`` also registers the emulated ``npu`` device (``_device``: ``torch.npu``,
+    ``torch_npu.npu``, npu tensors over CPU memory, the ops' kernels for it, backward on the
+    engine's worker thread) reporting the SoC ``_device.DEFAULT_SOC``; a string is the SoC it
+    reports (``device="Ascend910_9382"``).  Installing again with ``device=False`` keeps a
+    device already installed.
     """
     global _lib, _finder
     with _lock:
@@ -56,6 +63,7 @@ def install(
         if _lib is not None and _finder is not None:
             _profiles.activate(resolved)
             _finder.set_versions(versions)
+            _install_device(device, _lib)
             return
         reason = _real_torch_npu()
         if reason is not None:
@@ -68,6 +76,11 @@ def install(
         finder = StandinFinder(versions)
         finder.insert()
         _lib, _finder = lib, finder
+        try:
+            _install_device(device, lib)
+        except BaseException:
+            _drop()  # nothing half-installed
+            raise
     # The new ``torch.ops.npu`` ops appear without any import the patch's hook could see:
     # an applied patch guards them now (it never imports anything itself).
     patch = sys.modules.get("opcontracts.patch")  # never imported from here
@@ -75,8 +88,19 @@ def install(
         patch.apply()
 
 
+def _install_device(device: bool | str, lib: Library) -> None:
+    """The npu device, with kernels for every op ``lib`` defines (once per device install)."""
+    if not device:
+        return
+    fresh = not _device.installed()
+    _device.install(_device.DEFAULT_SOC if device is True else str(device))
+    if fresh:
+        _device.register_op_kernels(lib._op_defs)
+
+
 def uninstall() -> None:
-    """Undo :func:`install`: drop the stand-in modules, the finder and the ``npu`` ops.
+    """Undo :func:`install`: drop the stand-in modules, the finder, the ``npu`` ops and the
+    ``npu`` device (what of the device cannot be undone: ``_device``).
 
     References to stand-in modules or op packets taken earlier go stale (calling them fails).
     A no-op when not installed.  When ``opcontracts.patch`` is applied, its guards on the
@@ -99,6 +123,7 @@ def uninstall() -> None:
 def _drop() -> None:
     global _lib, _finder
     with _lock:
+        _device.uninstall()  # its kernels for the ops first, while the ops exist
         if _finder is not None:
             _finder.remove()
         for name in list(sys.modules):

@@ -533,6 +533,9 @@ class _Builders:
         module.__doc__ = "opcontracts emulation of torch_npu: npu_* are torch.ops.npu packets."
         for name in OP_NAMES:
             setattr(module, name, getattr(_npu(), name))
+        device = sys.modules.get("torch_npu.npu")  # the emulated device, when installed
+        if device is not None:
+            module.npu = device  # type: ignore[attr-defined]
 
     def mindspeed(self, module: types.ModuleType) -> None:
         module.__version__ = self.versions["mindspeed"]  # type: ignore[attr-defined]

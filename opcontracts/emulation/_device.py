@@ -1,0 +1,382 @@
+"""The emulated ``npu`` device: torch's PrivateUse1 backend, renamed ``npu``, over CPU memory.
+
+An NPU tensor here is a plain ``torch.Tensor`` whose device is ``npu:0`` (``type(x) is
+torch.Tensor``, ``x.is_npu``, ``x.device.type == "npu"``, as on the NPU) and whose storage
+points at CPU memory: the storage is built on the CPU storage's data pointer
+(``torch._C._construct_storage_from_data_pointer``) and holds that CPU storage as a Python
+attribute, which torch keeps for as long as the storage lives (storage PyObject
+preservation).  Views, ``detach()`` and ``Parameter`` share the storage, so they share the
+memory, as on a device.  Kernels, registered through ``torch.library`` for ``PrivateUse1``:
+
+* ``aten::empty_strided``, ``aten::empty.memory_format``: allocate on CPU, hand out an npu
+  tensor over it; ``aten::_copy_from``: copies between the devices (``.to("npu")``,
+  ``.cpu()``);
+* every other ATen op: one boxed fallback on the global ``_`` namespace (:func:`call_on_cpu`):
+  each npu argument is seen as a CPU tensor over the same memory, the op runs on CPU, tensor
+  results come back as npu tensors (a mutated argument is returned as itself; an ``out=``
+  argument the CPU kernel resized is pointed at its new memory);
+* the emulated ``torch.ops.npu`` ops: the same :func:`call_on_cpu`, so their CPU kernels (the
+  references under the active profile) compute and their results are npu tensors.
+
+Because the tensors are on a device that is not the CPU, the autograd engine runs their
+backward on its device worker thread, as on an NPU: hooks, ``autograd.Function.backward``
+and the kernels of backward run on a thread other than the one that called ``backward()``.
+
+What cannot be undone (torch allows it once per process): renaming PrivateUse1 to ``npu``,
+the generated ``Tensor.npu`` / ``Tensor.is_npu`` / ``Module.npu`` methods, the Python device
+hooks and guard, and ``torch.npu`` (``torch.compile`` asks a renamed backend for its module).
+:func:`uninstall` removes the kernels and ``torch_npu.npu``; after it
+``torch.npu.is_available()`` is False, ``device_count()`` 0, and creating an npu tensor fails
+("Could not run 'aten::empty.memory_format' with arguments from the 'npu' backend"); tensors
+made before keep their memory but no op runs on them.  The engine's queues for the device are
+sized at the process's first backward: :func:`reserve` (the once-per-process part) must come
+before it.  Not emulated: several devices (``device_count() == 1``), streams and events, pinned
+memory, ``torch.save`` of npu tensors, resizing an npu storage in place
+(``untyped_storage().resize_``), npu generators.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import types
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.library import Library
+
+__all__ = ["DEFAULT_SOC", "call_on_cpu", "drop_op_kernels", "install", "installed", "module",
+           "register_op_kernels", "reserve", "to_cpu_view", "to_npu", "uninstall"]
+
+DEVICE_TYPE = "npu"
+DEFAULT_SOC = "Ascend910B3"  # an A2 training chip (torch_npu.npu.get_device_name() on an 800T A2)
+
+_lock = threading.RLock()
+_state: dict[str, Any] = {"soc": DEFAULT_SOC, "current": 0}
+_libs: list[Library] = []      # aten kernels and the fallback, while installed
+_op_libs: list[Library] = []   # kernels of the emulated npu ops
+_CPU = torch.device("cpu")
+_SET = torch.ops.aten.set_.source_Storage_storage_offset
+_CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+
+
+# -- tensors ---------------------------------------------------------------------------------
+
+def _npu_device() -> torch.device:
+    return torch.device(DEVICE_TYPE, 0)
+
+
+def _point(npu: torch.Tensor, cpu: torch.Tensor) -> None:
+    """Make ``npu`` (an npu tensor) view ``cpu``'s memory with ``cpu``'s sizes and strides."""
+    storage = cpu.untyped_storage()
+    npu_storage = torch._C._construct_storage_from_data_pointer(
+        storage.data_ptr(), _npu_device(), storage.nbytes())
+    npu_storage._opcontracts_cpu = storage  # the memory lives as long as the npu storage
+    # the CPU kernel of set_ only moves the storage pointer and the metadata; it runs on any
+    # TensorImpl (the npu one has no storage yet)
+    _SET.redispatch(_CPU_KEYS, npu, npu_storage, cpu.storage_offset(), cpu.size(), cpu.stride())
+
+
+def to_npu(cpu: torch.Tensor) -> torch.Tensor:
+    """An npu tensor over ``cpu``'s memory (no copy)."""
+    npu = torch._C._acc.create_empty_tensor([0], cpu.dtype)
+    _point(npu, cpu)
+    return npu
+
+
+def to_cpu_view(npu: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor over ``npu``'s memory (no copy)."""
+    storage = npu.untyped_storage()
+    cpu_storage = getattr(storage, "_opcontracts_cpu", None)
+    if cpu_storage is None:  # an empty tensor made by torch itself (no memory)
+        cpu_storage = torch._C._construct_storage_from_data_pointer(
+            storage.data_ptr(), _CPU, storage.nbytes())
+    return torch.empty(0, dtype=npu.dtype).set_(
+        cpu_storage, npu.storage_offset(), npu.size(), npu.stride())
+
+
+def _unwrap(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return to_cpu_view(value) if value.device.type == DEVICE_TYPE else value
+    if isinstance(value, torch.device):
+        return _CPU if value.type == DEVICE_TYPE else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_unwrap(v) for v in value)
+    return value
+
+
+def _wrap(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return to_npu(value) if value.device.type == "cpu" else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_wrap(v) for v in value)
+    return value
+
+
+def _alias(info: Any) -> str | None:
+    """The alias set a schema argument or return writes to (``Tensor(a!)``: ``"a"``)."""
+    if info is None or not info.is_write or not info.before_set:
+        return None
+    return str(next(iter(info.before_set)))
+
+
+def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], i: int, name: str) -> Any:
+    return args[i] if i < len(args) else kwargs.get(name)
+
+
+def call_on_cpu(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run ``op`` on CPU views of its npu arguments; results as npu tensors."""
+    cpu_args, cpu_kwargs = _unwrap(args), {k: _unwrap(v) for k, v in kwargs.items()}
+    out = op(*cpu_args, **cpu_kwargs)
+    schema = op._schema
+    written: dict[str | None, Any] = {}
+    for i, arg in enumerate(schema.arguments):
+        alias = _alias(arg.alias_info)
+        if alias is None:
+            continue
+        original = _argument(args, kwargs, i, arg.name)
+        written[alias] = original
+        if isinstance(original, torch.Tensor) and original.device.type == DEVICE_TYPE:
+            view = _argument(cpu_args, cpu_kwargs, i, arg.name)
+            if (view.untyped_storage().data_ptr() != original.untyped_storage().data_ptr()
+                    or view.size() != original.size() or view.stride() != original.stride()
+                    or view.storage_offset() != original.storage_offset()):
+                _point(original, view)  # an out= argument the CPU kernel resized
+    device = kwargs.get("device")
+    to_device = device is None or torch.device(device).type == DEVICE_TYPE
+    returns = schema.returns
+    if not returns:
+        return None
+
+    def result(i: int, value: Any) -> Any:
+        mutated = written.get(_alias(returns[i].alias_info))
+        if mutated is not None:
+            return mutated  # an in-place or out= op returns its own (npu) argument
+        return _wrap(value) if to_device else value
+
+    if len(returns) == 1:
+        return result(0, out)
+    return tuple(result(i, v) for i, v in enumerate(out))
+
+
+def _fallback(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
+    return call_on_cpu(op, args, kwargs)
+
+
+def _empty_strided(size: Any, stride: Any, dtype: Any = None, layout: Any = None,
+                   device: Any = None, pin_memory: Any = None) -> torch.Tensor:
+    return to_npu(torch.empty_strided(size, stride, dtype=dtype))
+
+
+def _empty(size: Any, dtype: Any = None, layout: Any = None, device: Any = None,
+           pin_memory: Any = None, memory_format: Any = None) -> torch.Tensor:
+    return to_npu(torch.empty(size, dtype=dtype,
+                              memory_format=memory_format or torch.contiguous_format))
+
+
+def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    _unwrap(dst).copy_(_unwrap(src))
+    return dst
+
+
+def _register_kernels() -> list[Library]:
+    aten = Library("aten", "IMPL")
+    aten.impl("empty_strided", _empty_strided, "PrivateUse1")
+    aten.impl("empty.memory_format", _empty, "PrivateUse1")
+    aten.impl("_copy_from", _copy_from, "PrivateUse1")
+    every = Library("_", "IMPL")
+    every.fallback(_fallback, dispatch_key="PrivateUse1")
+    return [aten, every]
+
+
+def register_op_kernels(qualified_names: Iterable[str]) -> None:
+    """PrivateUse1 kernels (:func:`call_on_cpu`) for every overload of the emulated ops named
+    (``"npu::npu_swiglu"``, ``"npu::npu_grouped_matmul.List"``: a Library's ``_op_defs``): their CPU kernels compute, inputs and results are npu tensors."""
+    lib = Library("npu", "IMPL")
+    for qualified in sorted(qualified_names):
+        name, _, overload = qualified.split("::", 1)[1].partition(".")
+        op = getattr(getattr(torch.ops.npu, name), overload or "default")
+        lib.impl(f"{name}.{overload}" if overload else name, _op_kernel(op), "PrivateUse1")
+    with _lock:
+        _op_libs.append(lib)
+
+
+def _op_kernel(op: torch._ops.OpOverload) -> Callable[..., Any]:
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        return call_on_cpu(op, args, kwargs)
+    kernel.__name__ = f"npu_device_{op._opname}"
+    return kernel
+
+
+def drop_op_kernels() -> None:
+    """Remove the kernels :func:`register_op_kernels` added (before the ops go)."""
+    with _lock:
+        while _op_libs:
+            _op_libs.pop()._destroy()
+
+
+# -- torch.npu -------------------------------------------------------------------------------
+
+def _check_index(device: Any) -> int:
+    if device is None:
+        return int(_state["current"])
+    index = device.index if isinstance(device, torch.device) else (
+        torch.device(device).index if isinstance(device, str) else int(device))
+    index = 0 if index is None else index
+    if not 0 <= index < 1:
+        raise RuntimeError(f"npu device {index} is not available: the emulated npu has one "
+                           "device (npu:0)")
+    return index
+
+
+def _build_module() -> types.ModuleType:
+    mod = types.ModuleType("torch_npu.npu", "opcontracts' emulated npu device module "
+                           "(torch.npu and torch_npu.npu)")
+
+    def is_available() -> bool:
+        return installed()
+
+    def device_count() -> int:
+        return 1 if installed() else 0
+
+    def current_device() -> int:
+        return int(_state["current"])
+
+    def set_device(device: Any) -> None:
+        _state["current"] = _check_index(device)
+
+    def synchronize(device: Any = None) -> None:
+        _check_index(device)  # the CPU has finished every kernel when it returns
+
+    def get_device_name(device: Any = None) -> str:
+        _check_index(device)
+        return str(_state["soc"])
+
+    def is_initialized() -> bool:
+        return installed()
+
+    def manual_seed(seed: int) -> None:
+        torch.manual_seed(seed)  # npu kernels run on the CPU generator
+
+    def noop_seed_all(seed: int) -> None:
+        pass  # torch.manual_seed calls this after seeding the CPU generator, which npu ops use
+
+    for fn in (is_available, device_count, current_device, set_device, synchronize,
+               get_device_name, is_initialized, manual_seed):
+        fn.__module__ = mod.__name__
+        setattr(mod, fn.__name__, fn)
+    mod.manual_seed_all = noop_seed_all  # type: ignore[attr-defined]
+    mod._is_in_bad_fork = lambda: False  # type: ignore[attr-defined]
+    mod._lazy_init = lambda: None  # type: ignore[attr-defined]
+    mod.__opcontracts_emulation__ = True  # type: ignore[attr-defined]  # a stand-in (_standins.MARKER)
+    return mod
+
+
+_module: types.ModuleType | None = None
+
+
+def module() -> types.ModuleType | None:
+    """The device module (``torch.npu``) while installed."""
+    return _module if installed() else None
+
+
+class _Hooks(torch._C._acc.PrivateUse1Hooks):  # type: ignore[misc]
+    def is_available(self) -> bool:
+        return installed()
+
+    def has_primary_context(self, dev_id: int) -> bool:
+        return installed()
+
+    def is_built(self) -> bool:
+        return True
+
+
+class _Guard(torch._C._acc.DeviceGuard):  # type: ignore[misc]
+    def type_(self) -> Any:
+        return torch._C._autograd.DeviceType.PrivateUse1
+
+
+def installed() -> bool:
+    return bool(_libs)
+
+
+def reserve() -> None:
+    """Name PrivateUse1 ``npu`` and register the device's hooks and guard: the part of
+    :func:`install` torch allows once per process, without the kernels or ``torch.npu``.
+
+    torch's autograd engine sizes its per-device queues once, at the process's first backward
+    (``Engine::start_device_threads``): a device registered after that has no worker thread and
+    its backward fails.  A process that runs backward before it installs the device (a test
+    suite) calls this first.  Raises RuntimeError when PrivateUse1 is already another backend.
+    """
+    global _module
+    with _lock:
+        if _module is not None:
+            return
+        name = torch._C._get_privateuse1_backend_name()
+        if name != "privateuseone":
+            raise RuntimeError(
+                f"opcontracts.emulation: cannot emulate the npu device, torch's PrivateUse1 "
+                f"backend is already {name!r} in this process")
+        from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+
+        mod = _build_module()
+        _setup_privateuseone_for_python_backend(
+            DEVICE_TYPE, backend_module=mod, hook=_Hooks(), device_guard=_Guard())
+        _module = mod  # torch.npu from now on (torch.compile asks a renamed backend for it)
+
+
+def install(soc: str = DEFAULT_SOC) -> None:
+    """Register the ``npu`` device (idempotent; again only changes the SoC it reports).
+
+    Raises RuntimeError when PrivateUse1 is already another backend (it can be named once),
+    and when this process ran a backward before the device was reserved (see :func:`reserve`).
+    """
+    with _lock:
+        _state["soc"] = soc
+        if _libs:
+            return
+        reserve()
+        assert _module is not None
+        _libs.extend(_register_kernels())
+        sys.modules["torch_npu.npu"] = _module
+        parent = sys.modules.get("torch_npu")
+        if parent is not None:
+            parent.npu = _module  # type: ignore[attr-defined]
+        try:
+            _probe_engine()
+        except BaseException:
+            uninstall()
+            raise
+
+
+def _probe_engine() -> None:
+    """One backward on the device: fails when the engine has no queue for it."""
+    t = to_npu(torch.zeros(1)).requires_grad_()
+    try:
+        t.sum().backward()
+    except RuntimeError as exc:
+        if "device_ready_queues_" not in str(exc):
+            raise
+        raise RuntimeError(
+            "opcontracts.emulation.install(device=True): this process ran a backward before the "
+            "npu device was registered, and torch's autograd engine sizes its device queues once "
+            "(at the first backward), so backward on npu tensors cannot run.  Install the "
+            "emulation before the first backward (opcontracts run --emulate does), or call "
+            "opcontracts.emulation.reserve_device() at the start of the process") from None
+
+
+def uninstall() -> None:
+    """Remove the kernels and ``torch_npu.npu`` (see the module docstring for what stays)."""
+    with _lock:
+        drop_op_kernels()
+        while _libs:
+            _libs.pop()._destroy()
+        if _module is None:
+            return
+        if sys.modules.get("torch_npu.npu") is _module:
+            del sys.modules["torch_npu.npu"]
+        parent = sys.modules.get("torch_npu")
+        if parent is not None and getattr(parent, "npu", None) is _module:
+            delattr(parent, "npu")
