@@ -156,8 +156,8 @@ def test_the_process_wide_mode_still_applies_on_the_worker_thread(device: Any) -
     _accumulating_step(torch.float32).backward()  # conforming: no error
 
 
-def _test_no_mode_context_costs_nothing() -> None:
-    from opcontracts._lang import modes
+def test_no_mode_context_costs_nothing() -> None:
+    from opcontracts import _modes as modes
 
     assert modes._global_state is modes._process_state
     with opcontracts.mode("strict"):
@@ -183,3 +183,30 @@ def test_install_is_idempotent_and_uninstall_removes_the_device() -> None:
         assert torch.ones(2, device="npu").cpu().tolist() == [1.0, 1.0]
     finally:
         emulation.uninstall()
+
+
+class _UnpermuteInBackward(torch.autograd.Function):
+    """A backward that calls a captured ``.default`` overload (no Python attribute a patch could
+    guard), as C++ autograd nodes call their kernels; fp32 probs, which the kernel misreads."""
+
+    @staticmethod
+    def forward(ctx: Any, tokens: torch.Tensor) -> torch.Tensor:
+        return tokens * 1
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        indices = torch.zeros(grad.shape[0], 1, dtype=torch.int64, device=grad.device)
+        permuted, sorted_indices = torch.ops.npu.npu_moe_token_permute.default(grad, indices)
+        probs = torch.ones(grad.shape[0], 1, device=grad.device)  # fp32
+        torch.ops.npu.npu_moe_token_unpermute.default(permuted, sorted_indices, probs)
+        return grad
+
+
+def test_dispatch_mode_in_backward_follows_the_callers_mode(device: Any) -> None:
+    from opcontracts.dispatch import ContractDispatchMode
+
+    tokens = torch.randn(4, 8, dtype=torch.bfloat16).npu().requires_grad_()
+    loss = _UnpermuteInBackward.apply(tokens).float().sum()
+    with ContractDispatchMode(), opcontracts.mode("strict"), \
+            pytest.raises(opcontracts.ContractViolation, match="probs"):
+        loss.backward()
