@@ -1,7 +1,8 @@
 """``opcontracts run``: run a user's script or module with ``opcontracts.patch`` applied.
 
     opcontracts run [--mode MODE] [--nan-check] [--compare [RATE]] [--record FILE
-                    [--record-target mod.fn ...]] [--report FILE] [--quiet] script.py [args ...]
+                    [--record-target mod.fn ...]] [--report FILE] [--quiet]
+                    [--emulate[=PROFILE]] script.py [args ...]
     opcontracts run [options] -m module [args ...]
 
 Why: guarding a job should not need an edit of the job.  The script runs as ``python`` would
@@ -42,7 +43,7 @@ __all__ = ["RunOptions", "UsageError", "main", "parse", "run"]
 
 USAGE = ("usage: opcontracts run [--mode MODE] [--nan-check] [--compare [RATE]] "
          "[--record FILE [--record-target mod.fn]] [--report FILE] [--quiet] "
-         "(script.py | -m module) [args ...]")
+         "[--emulate[=PROFILE]] (script.py | -m module) [args ...]")
 HELP = f"""{USAGE}
 
 Run a Python script (or a module with -m) with opcontracts.patch applied, as python would run it,
@@ -65,6 +66,10 @@ options (before the script name; everything after it goes to the script):
                    a divergence (suppressed: the "no contract violations" line, the summary of
                    what was checked, the all-clear paragraphs of --nan-check and --compare, and
                    the "report written" / "recorded" lines; the files are still written)
+  --emulate[=PROFILE]
+                   run on the CPU emulation of torch_npu 2.13 with an emulated npu device
+                   (opcontracts.emulation, device=True; PROFILE: narrow (default), incident,
+                   wide), so an unmodified torch_npu script runs on a machine without an NPU
   -m module        run a library module as a script (like python -m)
   -h, --help       show this help
 
@@ -91,6 +96,7 @@ class RunOptions:
     record_targets: list[str] = field(default_factory=list)
     quiet: bool = False
     report: str | None = None
+    emulate: str | None = None  # the emulation's profile, None: no emulation
     help: bool = False
 
 
@@ -142,6 +148,9 @@ def parse(argv: Sequence[str]) -> RunOptions:
             opts.record_targets.append(t)
         elif w == "--quiet":
             opts.quiet = True
+        elif w == "--emulate" or w.startswith("--emulate="):
+            opts.emulate = w.split("=", 1)[1] if "=" in w else "narrow"
+            _check_profile(opts.emulate)
         elif w == "--report" or w.startswith("--report="):
             opts.report = value("--report", w)
         elif w == "-m" or (w.startswith("-m") and len(w) > 2 and not w.startswith("--")):
@@ -160,6 +169,14 @@ def parse(argv: Sequence[str]) -> RunOptions:
             return opts
         i += 1
     raise UsageError("a script or -m module is required")
+
+
+def _check_profile(name: str) -> None:
+    from ..emulation import PROFILES  # the emulation's names (its install is lazy)
+
+    if name not in PROFILES:
+        raise UsageError(f"--emulate: unknown profile {name!r}; expected one of "
+                         f"{', '.join(PROFILES)}")
 
 
 def _is_rate(word: str) -> bool:
@@ -250,6 +267,9 @@ def run(opts: RunOptions) -> int:
         print(f"opcontracts run: can't open file {os.path.abspath(opts.script)!r}: "
               "[Errno 2] No such file or directory", file=sys.stderr)
         return 2
+    emulated = _emulate(opts.emulate)
+    if emulated is None:
+        return 2
     patch_mod = sys.modules.get("opcontracts.patch")
     was_patched = patch_mod is not None and patch_mod.is_applied()
     import opcontracts.patch as patch
@@ -284,7 +304,30 @@ def run(opts: RunOptions) -> int:
         _finish(opts, results)
         if not was_patched:
             patch.unpatch()
+        if emulated:
+            from .. import emulation
+
+            emulation.uninstall()
     return status
+
+
+def _emulate(profile: str | None) -> bool | None:
+    """Install the emulation with its npu device for ``--emulate``: True when this run
+    installed it, False when there is nothing to do, None (and a line on stderr) when it cannot
+    be installed (a real torch_npu is present)."""
+    if profile is None:
+        return False
+    from .. import emulation
+
+    if emulation.installed():
+        emulation.install(profile, device=True)
+        return False
+    try:
+        emulation.install(profile, device=True)
+    except RuntimeError as exc:
+        print(f"opcontracts run: --emulate: {exc}", file=sys.stderr)
+        return None
+    return True
 
 
 # --------------------------------------------------------------------------- observers
