@@ -121,43 +121,63 @@ def _alias(info: Any) -> str | None:
     return str(next(iter(info.before_set)))
 
 
-def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], i: int, name: str) -> Any:
-    return args[i] if i < len(args) else kwargs.get(name)
+class _Plan:
+    """What :func:`call_on_cpu` needs of an op's schema, read once per op (a schema's
+    ``arguments`` are new Python objects on every access)."""
+
+    __slots__ = ("returns", "written")
+
+    def __init__(self, op: torch._ops.OpOverload) -> None:
+        schema = op._schema
+        # (position, name, alias set) of each argument the op writes to
+        self.written = tuple((i, a.name, alias) for i, a in enumerate(schema.arguments)
+                             if (alias := _alias(a.alias_info)) is not None)
+        # per return, the alias set it shares with a written argument (None: a new tensor)
+        self.returns = tuple(_alias(r.alias_info) for r in schema.returns)
+
+
+_plans: dict[torch._ops.OpOverload, _Plan] = {}
+
+
+def _repoint_resized(original: Any, view: Any) -> None:
+    """After an op wrote into ``view`` (the CPU view of the npu ``original``): if the CPU
+    kernel resized it (an ``out=`` argument), point ``original`` at the new memory."""
+    if not isinstance(original, torch.Tensor) or original.device.type != DEVICE_TYPE:
+        return
+    if (view.untyped_storage().data_ptr() != original.untyped_storage().data_ptr()
+            or view.size() != original.size() or view.stride() != original.stride()
+            or view.storage_offset() != original.storage_offset()):
+        _point(original, view)
 
 
 def call_on_cpu(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Run ``op`` on CPU views of its npu arguments; results as npu tensors."""
-    cpu_args, cpu_kwargs = _unwrap(args), {k: _unwrap(v) for k, v in kwargs.items()}
+    """Run ``op`` on CPU views of its npu arguments; results as npu tensors (an argument the
+    op writes to and returns is returned as itself)."""
+    plan = _plans.get(op)
+    if plan is None:
+        plan = _plans[op] = _Plan(op)
+    cpu_args = tuple(_unwrap(v) for v in args)
+    cpu_kwargs = {k: _unwrap(v) for k, v in kwargs.items()} if kwargs else kwargs
     out = op(*cpu_args, **cpu_kwargs)
-    schema = op._schema
-    written: dict[str | None, Any] = {}
-    for i, arg in enumerate(schema.arguments):
-        alias = _alias(arg.alias_info)
-        if alias is None:
-            continue
-        original = _argument(args, kwargs, i, arg.name)
+    written: dict[str, Any] = {}
+    for i, name, alias in plan.written:
+        original = args[i] if i < len(args) else kwargs.get(name)
         written[alias] = original
-        if isinstance(original, torch.Tensor) and original.device.type == DEVICE_TYPE:
-            view = _argument(cpu_args, cpu_kwargs, i, arg.name)
-            if (view.untyped_storage().data_ptr() != original.untyped_storage().data_ptr()
-                    or view.size() != original.size() or view.stride() != original.stride()
-                    or view.storage_offset() != original.storage_offset()):
-                _point(original, view)  # an out= argument the CPU kernel resized
+        _repoint_resized(original, cpu_args[i] if i < len(args) else cpu_kwargs.get(name))
     device = kwargs.get("device")
     to_device = device is None or torch.device(device).type == DEVICE_TYPE
-    returns = schema.returns
+    returns = plan.returns
     if not returns:
         return None
-
-    def result(i: int, value: Any) -> Any:
-        mutated = written.get(_alias(returns[i].alias_info))
-        if mutated is not None:
-            return mutated  # an in-place or out= op returns its own (npu) argument
-        return _wrap(value) if to_device else value
-
     if len(returns) == 1:
-        return result(0, out)
-    return tuple(result(i, v) for i, v in enumerate(out))
+        return _result(returns[0], out, written, to_device)
+    return tuple(_result(r, v, written, to_device) for r, v in zip(returns, out, strict=True))
+
+
+def _result(alias: str | None, value: Any, written: dict[str, Any], to_device: bool) -> Any:
+    if alias is not None and alias in written:
+        return written[alias]  # an in-place or out= op returns its own (npu) argument
+    return _wrap(value) if to_device else value
 
 
 def _fallback(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
