@@ -354,9 +354,12 @@ def install(soc: str = DEFAULT_SOC) -> None:
     and when this process ran a backward before the device was reserved (see :func:`reserve`).
     """
     with _lock:
-        _state["soc"] = soc
         if _libs:
+            if _state["soc"] != soc:
+                _state["soc"] = soc
+                _versions_changed()
             return
+        _state["soc"] = soc
         reserve()
         assert _module is not None
         _libs.extend(_register_kernels())
@@ -369,6 +372,14 @@ def install(soc: str = DEFAULT_SOC) -> None:
         except BaseException:
             uninstall()
             raise
+    _versions_changed()
+
+
+def _versions_changed() -> None:
+    """The SoC comes from ``torch_npu.npu.get_device_name()``: detect the versions again."""
+    from .. import _versions
+
+    _versions.refresh()
 
 
 def _probe_engine() -> None:
@@ -400,3 +411,4 @@ def uninstall() -> None:
         parent = sys.modules.get("torch_npu")
         if parent is not None and getattr(parent, "npu", None) is _module:
             delattr(parent, "npu")
+    _versions_changed()
