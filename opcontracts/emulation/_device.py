@@ -53,7 +53,9 @@ DEVICE_TYPE = "npu"
 DEFAULT_SOC = "Ascend910B3"  # an A2 training chip (torch_npu.npu.get_device_name() on an 800T A2)
 
 _lock = threading.RLock()
-_state: dict[str, Any] = {"soc": DEFAULT_SOC, "current": 0}
+# the SoC reported; the current device; whether the device was used since install (torch_npu's
+# lazy init runs at the first use: is_initialized() is False before it)
+_state: dict[str, Any] = {"soc": DEFAULT_SOC, "current": 0, "initialized": False}
 _libs: list[Library] = []      # aten kernels and the fallback, while installed
 _op_libs: list[Library] = []   # kernels of the emulated npu ops
 _CPU = torch.device("cpu")
@@ -186,11 +188,13 @@ def _fallback(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
 
 def _empty_strided(size: Any, stride: Any, dtype: Any = None, layout: Any = None,
                    device: Any = None, pin_memory: Any = None) -> torch.Tensor:
+    _state["initialized"] = True
     return to_npu(torch.empty_strided(size, stride, dtype=dtype))
 
 
 def _empty(size: Any, dtype: Any = None, layout: Any = None, device: Any = None,
            pin_memory: Any = None, memory_format: Any = None) -> torch.Tensor:
+    _state["initialized"] = True
     return to_npu(torch.empty(size, dtype=dtype,
                               memory_format=memory_format or torch.contiguous_format))
 
@@ -265,6 +269,7 @@ def _build_module() -> types.ModuleType:
 
     def set_device(device: Any) -> None:
         _state["current"] = _check_index(device)
+        _state["initialized"] = True
 
     def synchronize(device: Any = None) -> None:
         _check_index(device)  # the CPU has finished every kernel when it returns
@@ -274,7 +279,7 @@ def _build_module() -> types.ModuleType:
         return str(_state["soc"])
 
     def is_initialized() -> bool:
-        return installed()
+        return installed() and bool(_state["initialized"])
 
     def manual_seed(seed: int) -> None:
         torch.manual_seed(seed)  # npu kernels run on the CPU generator
@@ -372,6 +377,7 @@ def install(soc: str = DEFAULT_SOC) -> None:
         except BaseException:
             uninstall()
             raise
+        _state["initialized"] = False  # the probe is not the user's first use
     _versions_changed()
 
 
