@@ -459,7 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
     from ._tools.probe_cli import add_parser as _add_probe_parser  # imports nothing until run
 
     _add_probe_parser(sub)
-    from ._selftest import add_parser as _add_selftest_parser  # imports nothing until run
+    from ._tools.selftest import add_parser as _add_selftest_parser  # imports nothing until run
 
     _add_selftest_parser(sub)
     return p

@@ -157,7 +157,7 @@ def test_the_process_wide_mode_still_applies_on_the_worker_thread(device: Any) -
 
 
 def test_no_mode_context_costs_nothing() -> None:
-    from opcontracts import _modes as modes
+    from opcontracts._lang import modes
 
     assert modes._global_state is modes._process_state
     with opcontracts.mode("strict"):

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from opcontracts import _selftest
+from opcontracts._tools import selftest as _selftest
 
 pytestmark = pytest.mark.skipif(
     not _selftest._real_torch_npu_importable(),

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from opcontracts import _run
+from opcontracts._tools import run as _run
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = "examples/torch_npu_step.py"

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from opcontracts import _selftest, emulation
+from opcontracts import emulation
+from opcontracts._tools import selftest as _selftest
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 from test_versions import _write_toolkit, isolated_versions  # noqa: F401 - the autouse fixture
 
-from opcontracts import _versions, emulation
+from opcontracts import emulation
+from opcontracts._lang import versions as _versions
 
 
 @pytest.fixture

@@ -383,7 +383,7 @@ def install(soc: str = DEFAULT_SOC) -> None:
 
 def _versions_changed() -> None:
     """The SoC comes from ``torch_npu.npu.get_device_name()``: detect the versions again."""
-    from .. import _versions
+    from .._lang import versions as _versions
 
     _versions.refresh()
 

@@ -70,7 +70,7 @@ def _real_torch_npu_importable() -> bool:
     module = sys.modules.get("torch_npu")
     if module is not None:
         return not getattr(module, "__opcontracts_emulation__", False)
-    from . import emulation
+    from .. import emulation
 
     if emulation.installed():
         return False
@@ -88,7 +88,7 @@ def open_stack() -> Stack:
 
         stack = Stack(torch_npu, real=True, installed=False)
     else:
-        from . import emulation
+        from .. import emulation
 
         installed = not emulation.installed()
         emulation.install("narrow", device=True)
@@ -109,7 +109,7 @@ def close_stack(stack: Stack) -> None:
 
         patch.unpatch()
     if stack.installed:
-        from . import emulation
+        from .. import emulation
 
         emulation.uninstall()
 
@@ -127,7 +127,7 @@ def _moe_inputs(stack: Stack, probs_dtype: Any) -> tuple[Any, Any, Any]:
 
 
 def check_soc(stack: Stack) -> Result:
-    from . import _versions
+    from .._lang import versions as _versions
 
     npu = getattr(stack.torch_npu, "npu", None)
     is_init = getattr(npu, "is_initialized", None)
