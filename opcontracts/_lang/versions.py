@@ -286,7 +286,7 @@ def explain(when: When | None, env: Env) -> str:
 # --------------------------------------------------------------------------- detection
 _lock = threading.RLock()
 _overrides: dict[str, str] = {}
-_cache: tuple[Any, Any, Env] | None = None
+_cache: tuple[Any, Any, Any, Env] | None = None
 
 
 def _dist_version(*names: str) -> tuple[str, str] | None:
@@ -474,9 +474,10 @@ def _detect() -> Env:
     return Env(**values, origins=tuple(origins.items()), emulated=tuple(emulated))
 
 
-def _fingerprint() -> tuple[Any, Any]:
+def _fingerprint() -> tuple[Any, Any, Any]:
     m = sys.modules
-    return m.get("torch_npu"), m.get("mindspeed")
+    torch_npu = m.get("torch_npu")
+    return torch_npu, m.get("mindspeed"), getattr(torch_npu, "npu", None)
 
 
 def _invalidate_registry() -> None:
@@ -490,19 +491,22 @@ def current() -> Env:
     """The environment, detected on first use and cached.
 
     Re-detected (and the registry's resolutions dropped) when a different ``torch_npu`` or
-    ``mindspeed`` module appears in ``sys.modules``, e.g. after ``emulation.install()``.
+    ``mindspeed`` module appears in ``sys.modules``, e.g. after ``emulation.install()``, or a
+    different ``torch_npu.npu`` (the emulated device installed after ``import torch_npu``).
     """
     global _cache
     c = _cache
     if c is not None:
         m = sys.modules
-        if m.get("torch_npu") is c[0] and m.get("mindspeed") is c[1]:
-            return c[2]
+        torch_npu = m.get("torch_npu")
+        if torch_npu is c[0] and m.get("mindspeed") is c[1] \
+                and getattr(torch_npu, "npu", None) is c[2]:  # the device module (the SoC)
+            return c[3]
     with _lock:
         fp = _fingerprint()
         env = _detect()
-        changed = c is not None and c[2] != env
-        _cache = (fp[0], fp[1], env)
+        changed = c is not None and c[3] != env
+        _cache = (*fp, env)
     if changed:
         _invalidate_registry()
     return env

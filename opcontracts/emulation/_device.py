@@ -37,10 +37,11 @@ memory, ``torch.save`` of npu tensors, resizing an npu storage in place
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -214,14 +215,31 @@ def _register_kernels() -> list[Library]:
     return [aten, every]
 
 
-def register_op_kernels(qualified_names: Iterable[str]) -> None:
-    """PrivateUse1 kernels (:func:`call_on_cpu`) for every overload of the emulated ops named
-    (``"npu::npu_swiglu"``, ``"npu::npu_grouped_matmul.List"``: a Library's ``_op_defs``): their CPU kernels compute, inputs and results are npu tensors."""
-    lib = Library("npu", "IMPL")
-    for qualified in sorted(qualified_names):
-        name, _, overload = qualified.split("::", 1)[1].partition(".")
-        op = getattr(getattr(torch.ops.npu, name), overload or "default")
-        lib.impl(f"{name}.{overload}" if overload else name, _op_kernel(op), "PrivateUse1")
+def _backend_ops() -> list[tuple[str, torch._ops.OpOverload]]:
+    """Every ``npu::`` op overload with a backend kernel (CPU or CompositeExplicitAutograd):
+    the emulated ops that compute.  Ops registered only above the backends (an autograd-only
+    public op calling its internal ``_npu_*`` op, a CompositeImplicitAutograd one) keep their
+    structure: their inner op gets the device's kernel."""
+    found = []
+    for qualified in torch._C._dispatch_get_all_op_names():  # "npu::name" or "npu::name.overload"
+        namespace, _, name = qualified.partition("::")
+        if namespace != DEVICE_TYPE:
+            continue
+        has = functools.partial(torch._C._dispatch_has_kernel_for_dispatch_key, qualified)
+        if (has("CPU") or has("CompositeExplicitAutograd")) and not has("PrivateUse1"):
+            packet, _, overload = name.partition(".")
+            found.append((name, getattr(getattr(torch.ops.npu, packet), overload or "default")))
+    return found
+
+
+def register_op_kernels() -> None:
+    """PrivateUse1 kernels (:func:`call_on_cpu`) for every emulated op that has a backend
+    kernel (``_backend_ops``): their CPU kernels compute, inputs and results are npu tensors.
+    Replaces the kernels an earlier call registered (the ops may have been registered anew)."""
+    drop_op_kernels()
+    lib = Library(DEVICE_TYPE, "IMPL")
+    for name, op in _backend_ops():
+        lib.impl(name, _op_kernel(op), "PrivateUse1")
     with _lock:
         _op_libs.append(lib)
 
@@ -359,12 +377,9 @@ def install(soc: str = DEFAULT_SOC) -> None:
     and when this process ran a backward before the device was reserved (see :func:`reserve`).
     """
     with _lock:
+        _state["soc"] = soc  # opcontracts.set_versions() re-detects a SoC changed here
         if _libs:
-            if _state["soc"] != soc:
-                _state["soc"] = soc
-                _versions_changed()
             return
-        _state["soc"] = soc
         reserve()
         assert _module is not None
         _libs.extend(_register_kernels())
@@ -378,14 +393,6 @@ def install(soc: str = DEFAULT_SOC) -> None:
             uninstall()
             raise
         _state["initialized"] = False  # the probe is not the user's first use
-    _versions_changed()
-
-
-def _versions_changed() -> None:
-    """The SoC comes from ``torch_npu.npu.get_device_name()``: detect the versions again."""
-    from .._lang import versions as _versions
-
-    _versions.refresh()
 
 
 def _probe_engine() -> None:
@@ -417,4 +424,3 @@ def uninstall() -> None:
         parent = sys.modules.get("torch_npu")
         if parent is not None and getattr(parent, "npu", None) is _module:
             delattr(parent, "npu")
-    _versions_changed()

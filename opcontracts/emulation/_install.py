@@ -63,7 +63,7 @@ def install(
         if _lib is not None and _finder is not None:
             _profiles.activate(resolved)
             _finder.set_versions(versions)
-            _install_device(device, _lib)
+            _install_device(device)
             return
         reason = _real_torch_npu()
         if reason is not None:
@@ -77,7 +77,7 @@ def install(
         finder.insert()
         _lib, _finder = lib, finder
         try:
-            _install_device(device, lib)
+            _install_device(device)
         except BaseException:
             _drop()  # nothing half-installed
             raise
@@ -88,14 +88,13 @@ def install(
         patch.apply()
 
 
-def _install_device(device: bool | str, lib: Library) -> None:
-    """The npu device, with kernels for every op ``lib`` defines (once per device install)."""
-    if not device:
-        return
-    fresh = not _device.installed()
-    _device.install(_device.DEFAULT_SOC if device is True else str(device))
-    if fresh:
-        _device.register_op_kernels(lib._op_defs)
+def _install_device(device: bool | str) -> None:
+    """The npu device when asked for; while it is installed, its kernels for every op the
+    emulation defines now (registered again after each install: the ops may be new)."""
+    if device:
+        _device.install(_device.DEFAULT_SOC if device is True else str(device))
+    if _device.installed():
+        _device.register_op_kernels()
 
 
 def uninstall() -> None:
