@@ -127,22 +127,22 @@ def _launch_state() -> _State:
     return _process_state
 
 
-class _Launcher:
-    """What a thread without a ``mode()`` context reads while one is active somewhere: the
-    same two attributes as ``_State``, resolved per read (two thread-local lookups)."""
+class _Launcher(_State):
+    """What a thread without a ``mode()`` context reads while one is active somewhere: a
+    ``_State`` whose two attributes are resolved per read (two thread-local lookups)."""
 
     __slots__ = ()
 
+    def __init__(self) -> None:  # no state of its own: it reads the launcher's
+        pass
+
     @property
-    def default(self) -> Mode:
+    def default(self) -> Mode:  # type: ignore[override]
         return _launch_state().default
 
     @property
-    def by_op(self) -> Mapping[str, Mode]:
+    def by_op(self) -> Mapping[str, Mode]:  # type: ignore[override]
         return _launch_state().by_op
-
-    def for_op(self, op: str) -> Mode:
-        return _launch_state().for_op(op)
 
 
 _LAUNCHER = _Launcher()
@@ -150,7 +150,7 @@ _active = 0  # mode() contexts entered and not yet exited, all threads together
 # What a thread without a context of its own reads (guards read this name on every call):
 # the process-wide state, or _LAUNCHER while a context is active and torch hands the
 # launcher's context to the engine's threads.
-_global_state: _State | _Launcher = _process_state
+_global_state: _State = _process_state
 
 
 def _engine_hands_context() -> bool:

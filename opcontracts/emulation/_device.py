@@ -75,7 +75,7 @@ def _point(npu: torch.Tensor, cpu: torch.Tensor) -> None:
     storage = cpu.untyped_storage()
     npu_storage = torch._C._construct_storage_from_data_pointer(
         storage.data_ptr(), _npu_device(), storage.nbytes())
-    npu_storage._opcontracts_cpu = storage  # the memory lives as long as the npu storage
+    npu_storage._opcontracts_cpu = storage  # type: ignore[attr-defined]  # the memory lives as long as the npu storage
     # the CPU kernel of set_ only moves the storage pointer and the metadata; it runs on any
     # TensorImpl (the npu one has no storage yet)
     _SET.redispatch(_CPU_KEYS, npu, npu_storage, cpu.storage_offset(), cpu.size(), cpu.stride())
@@ -83,7 +83,7 @@ def _point(npu: torch.Tensor, cpu: torch.Tensor) -> None:
 
 def to_npu(cpu: torch.Tensor) -> torch.Tensor:
     """An npu tensor over ``cpu``'s memory (no copy)."""
-    npu = torch._C._acc.create_empty_tensor([0], cpu.dtype)
+    npu = torch._C._acc.create_empty_tensor((0,), cpu.dtype)
     _point(npu, cpu)
     return npu
 
