@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from opcontracts import emulation
 
+    torch.set_num_threads(1)  # one intra-op thread: a shared machine's other load decides less
     emulation.install("narrow", device=True)
     import torch_npu
 
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import opcontracts
     import opcontracts.patch as patch
-    from opcontracts import _modes
+    from opcontracts._lang import modes as _modes
 
     patch.apply()
     guarded = torch_npu.npu_swiglu
