@@ -27,7 +27,6 @@ The same checks are the real-stack lane of the test suite (``tests/test_real_sta
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 import threading
 from collections.abc import Callable
@@ -67,17 +66,10 @@ class Stack:
 
 
 def _real_torch_npu_importable() -> bool:
-    module = sys.modules.get("torch_npu")
-    if module is not None:
-        return not getattr(module, "__opcontracts_emulation__", False)
-    from .. import emulation
+    """Whether a real torch_npu is loaded or importable (the emulation's own test)."""
+    from ..emulation._install import _real_torch_npu
 
-    if emulation.installed():
-        return False
-    try:
-        return importlib.util.find_spec("torch_npu") is not None
-    except (ImportError, ValueError):
-        return False
+    return _real_torch_npu() is not None
 
 
 def open_stack() -> Stack:
