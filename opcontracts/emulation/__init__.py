@@ -22,7 +22,8 @@ Typical use::
 
 from __future__ import annotations
 
-from ._install import current_profile, install, installed, uninstall
+from ._install import current_profile, install, installed, installed_release, uninstall
+from ._release import Structure, structure
 from ._ops import OP_NAMES
 from ._profiles import PROFILES, Profile
 from ._standins import MODULE_NAMES as STANDIN_MODULES
@@ -32,8 +33,11 @@ __all__ = [
     "PROFILES",
     "STANDIN_MODULES",
     "Profile",
+    "Structure",
     "current_profile",
     "install",
     "installed",
+    "installed_release",
+    "structure",
     "uninstall",
 ]
