@@ -23,9 +23,9 @@ Typical use::
 from __future__ import annotations
 
 from ._install import current_profile, install, installed, installed_release, uninstall
-from ._release import Structure, structure
 from ._ops import OP_NAMES
 from ._profiles import PROFILES, Profile
+from ._release import Structure, structure
 from ._standins import MODULE_NAMES as STANDIN_MODULES
 
 __all__ = [
