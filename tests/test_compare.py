@@ -72,7 +72,7 @@ def test_incident_every_contract_off_names_the_unpermute_backward_and_forward_is
     # layers.2 first, and its gradients are already garbage there (finite: ~1e34), where the
     # NaN sentinel cannot see them; its first NaN shows up one block later, in layers.1
     assert (first.op, first.direction, first.kind) == (
-        "npu_moe_token_unpermute_grad", "backward", "output")
+        "npu_moe_token_unpermute_grad_v2", "backward", "output")
     assert first.backward_of == "npu_moe_token_unpermute"
     assert first.module == "layers.2.mlp" and first.module_type == "MoELayer"
     assert first.call_site is not None and first.call_site.startswith("moe_block.py:")
@@ -84,7 +84,7 @@ def test_incident_every_contract_off_names_the_unpermute_backward_and_forward_is
     assert res.checked >= 12 and all(e.direction == "backward" for e in res.events)
     grads = {(e.op, e.argument) for e in res.events if e.module == "layers.2.mlp"}
     assert ("mindspeed.npu_moe_token_unpermute", "permuted_tokens") in grads
-    assert "divergence from the reference: backward, in npu_moe_token_unpermute_grad" in str(res)
+    assert "divergence from the reference: backward, in npu_moe_token_unpermute_grad_v2" in str(res)
     assert res.to_dict()["first"]["module"] == "layers.2.mlp"
 
 
@@ -142,7 +142,7 @@ def test_fix_mode_repairs_are_judged_on_the_repaired_arguments(
     assert res.repaired == 3  # MindSpeed's unpermute in each block: fp32 probs cast to bf16
     assert res.checked_ops["mindspeed.npu_moe_token_unpermute"] == 3  # judged, on bf16 probs
     assert res.checked_ops["npu_moe_token_unpermute"] == 3  # torch_npu's op, on bf16 probs
-    assert res.checked_ops["npu_moe_token_unpermute_grad"] == 3
+    assert res.checked_ops["npu_moe_token_unpermute_grad_v2"] == 3
 
 
 def test_the_compare_never_changes_what_the_job_computes(moe: types.ModuleType) -> None:

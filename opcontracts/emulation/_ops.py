@@ -72,8 +72,6 @@ class OpDef:
     kernel: Callable[..., Any]
     fake: Callable[..., Any]
     backward: BackwardFn | None = None
-    kernel_name: str | None = None
-    """the kernel whose dtype profile applies (another op's, for ops of the same aclnn kernel)"""
     release_only: bool = False
     """registered only where the installed release defines the op (``_release``)"""
 
@@ -99,17 +97,13 @@ OPS: tuple[OpDef, ...] = tuple(
           backward=backward_of(op))
     for op in all_ops()
 )
-# The ops later releases route the MoE token ops through: same aclnn kernels (and profiles) as
-# the public / ``_grad`` ops, schemas from the installed release (``_release``).
-_RELEASE_OPS = {
-    "_npu_moe_token_unpermute": "npu_moe_token_unpermute",
-    "npu_moe_token_unpermute_grad_v2": "npu_moe_token_unpermute_grad",
-    "npu_moe_token_permute_grad_v2": "npu_moe_token_permute_grad",
-}
+# The ops later releases route the MoE token ops through: same aclnn kernels (and profiles:
+# ``_profiles``) as the public / ``_grad`` ops, schemas from the installed release (``_release``).
+_RELEASE_OPS = tuple(_release.SAME_KERNEL)
 OPS += tuple(
     OpDef(name=name, schema=digest_schema(name), kernel=_reference(name), fake=getattr(_fakes, name),
-          kernel_name=same, release_only=True)
-    for name, same in _RELEASE_OPS.items()
+          release_only=True)
+    for name in _RELEASE_OPS
 )
 OP_NAMES: tuple[str, ...] = tuple(op.name for op in OPS)
 
@@ -260,7 +254,7 @@ def _release_schemas(release: str) -> dict[str, str]:
 
 
 def _register_op(lib: Library, op: OpDef, backward: BackwardFn | None, public_only: bool) -> None:
-    view_name = op.kernel_name or op.name
+    view_name = op.name
     qualified = f"{NAMESPACE}::{op.name}"
     if public_only:  # the release's AutogradPrivateUse1-only kernel (``_nodes``)
         autograd_kernel, below = autograd_only(_captured.overload("_npu_moe_token_unpermute"))

@@ -38,7 +38,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 
-__all__ = ["NO_DERIVATIVE_OPS", "Structure", "structure"]
+__all__ = ["NO_DERIVATIVE_OPS", "SAME_KERNEL", "Structure", "structure"]
+
+SAME_KERNEL = {
+    "_npu_moe_token_unpermute": "npu_moe_token_unpermute",
+    "npu_moe_token_unpermute_grad_v2": "npu_moe_token_unpermute_grad",
+    "npu_moe_token_permute_grad_v2": "npu_moe_token_permute_grad",
+}
+"""The ops only some releases define, and the op whose aclnn kernel (and dtype profile) they
+run: the same kernel under another name, with the row count and dtype of a forward tensor given
+instead of the tensor (``_grad_v2``)."""
 
 NO_DERIVATIVE_OPS = frozenset({
     "npu_grouped_matmul", "npu_all_gather_base_mm", "npu_alltoallv_gmm", "npu_gmm_alltoallv",
