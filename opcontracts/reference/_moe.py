@@ -180,7 +180,7 @@ def _npu_moe_token_unpermute(
     (``permuted_tokens_for_backward``: the permuted tokens, a copy)."""
     out = npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs, padded_mode,
                                   restore_shape)
-    return out, permuted_tokens.clone()
+    return out, permuted_tokens.detach().clone()  # not differentiable (only saved)
 
 
 def npu_moe_token_unpermute_grad_v2(
