@@ -18,7 +18,8 @@ from packaging.version import Version
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import opcontracts
-from opcontracts import ContractViolation, _registry, emulation, patch
+from opcontracts import ContractViolation, emulation, patch
+from opcontracts._engine import registry as _registry
 from opcontracts.dispatch import ContractDispatchMode
 from opcontracts.wheel import digest
 
