@@ -462,6 +462,11 @@ class Contract(_Frozen):
     tensor: opt-in, since most kernels' own dispatch already rejects mixed devices)"""
     cases: tuple[Case, ...] = ()
     """rules that hold only when arguments have given values (``Case``)"""
+    rules_of: str | None = None
+    """another op reaching the same kernel (torch_npu's internal ``_npu_X`` of a public ``X``,
+    a ``_grad_v2`` op of its ``_grad`` op): this contract takes every contract of that op, per
+    version (its ``when`` intersected with this one's), keeping the arguments in this
+    ``signature`` and overriding the fields this ``args`` sets"""
     file: str | None = Field(default=None, repr=False)
 
     def __init__(self, op: Any = None, args: Any = None, /, **data: Any) -> None:
@@ -469,6 +474,8 @@ class Contract(_Frozen):
             data["op"] = op
         if args is not None:
             data["args"] = args
+        if data.get("rules_of") is not None:
+            data.setdefault("args", {})  # the rules come from the other op's contracts
         label = _label(data.get("op"))
         file = data.get("file") if isinstance(data.get("file"), str) else None
         early = [q._replace(file=file, contract=label, obj="Contract") for q in _name_problems(data)]

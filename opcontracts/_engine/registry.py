@@ -26,7 +26,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["register", "unregister", "get_contract", "resolve", "all_contracts", "clear",
+__all__ = ["register", "unregister", "get_contract", "resolve", "all_contracts", "clear", "expanded",
            "shipped_contracts_dir", "load_shipped", "UnknownOpError", "merge_contracts",
            "on_change", "GENERATION"]
 
@@ -179,11 +179,31 @@ def resolve(op: str) -> Contract | None:
             lst = _by_op.get(op)
         if not lst:
             raise UnknownOpError(f"no contract registered for op {op!r}", op=op)
+        if any(c.rules_of for c in lst):
+            lst = _derived(lst)
         env = versions.current()
         app = [c for c in lst if versions.applies(c.when, env) is not False]
         res = None if not app else app[0] if len(app) == 1 else merge_contracts(app)
         _resolved[op] = res
         return res
+
+
+def _derived(lst: list[Contract]) -> list[Contract]:
+    """``lst`` with each ``rules_of`` contract replaced by the contracts it takes (``derive``)."""
+    from .derive import derive
+
+    out: list[Contract] = []
+    for c in lst:
+        out.extend(derive(c, _by_op.get(c.rules_of, ())) if c.rules_of else [c])
+    return out
+
+
+def expanded(op: str) -> list[Contract]:
+    """Every contract of ``op``, ``rules_of`` ones replaced by what they take (all versions)."""
+    with _lock:
+        if not _shipped_loaded:
+            load_shipped()
+        return _derived(list(_by_op.get(op, ())))
 
 
 def get_contract(op: str) -> Contract:

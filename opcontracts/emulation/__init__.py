@@ -25,9 +25,10 @@ from __future__ import annotations
 
 from ._device import DEFAULT_SOC
 from ._device import reserve as reserve_device
-from ._install import current_profile, install, installed, uninstall
+from ._install import current_profile, install, installed, installed_release, uninstall
 from ._ops import OP_NAMES
 from ._profiles import PROFILES, Profile
+from ._release import Structure, structure
 from ._standins import MODULE_NAMES as STANDIN_MODULES
 
 __all__ = [
@@ -36,9 +37,12 @@ __all__ = [
     "PROFILES",
     "STANDIN_MODULES",
     "Profile",
+    "Structure",
     "current_profile",
     "install",
     "installed",
+    "installed_release",
     "reserve_device",
+    "structure",
     "uninstall",
 ]

@@ -48,7 +48,7 @@ import torch
 from torch.library import Library
 
 __all__ = ["DEFAULT_SOC", "call_on_cpu", "drop_op_kernels", "install", "installed", "module",
-           "register_op_kernels", "reserve", "to_cpu_view", "to_npu", "uninstall"]
+           "register_op_kernels", "reported_soc", "reserve", "to_cpu_view", "to_npu", "uninstall"]
 
 DEVICE_TYPE = "npu"
 DEFAULT_SOC = "Ascend910B3"  # an A2 training chip (torch_npu.npu.get_device_name() on an 800T A2)
@@ -338,6 +338,11 @@ class _Hooks(torch._C._acc.PrivateUse1Hooks):  # type: ignore[misc]
 class _Guard(torch._C._acc.DeviceGuard):  # type: ignore[misc]
     def type_(self) -> Any:
         return torch._C._autograd.DeviceType.PrivateUse1
+
+
+def reported_soc() -> str:
+    """The SoC ``get_device_name()`` reports."""
+    return str(_state["soc"])
 
 
 def installed() -> bool:

@@ -11,7 +11,7 @@ from torch.library import Library
 from . import _device, _ops, _profiles
 from ._standins import MODULE_NAMES, StandinFinder, is_standin
 
-__all__ = ["current_profile", "install", "installed", "uninstall"]
+__all__ = ["current_profile", "install", "installed", "installed_release", "uninstall"]
 
 DEFAULT_TORCH_NPU_VERSION = "2.13.0"
 DEFAULT_MINDSPEED_VERSION = "0.8.0"
@@ -19,6 +19,7 @@ DEFAULT_MINDSPEED_VERSION = "0.8.0"
 _lock = threading.RLock()
 _lib: Library | None = None
 _finder: StandinFinder | None = None
+_release: str | None = None  # the torch_npu release whose structure the ops have
 
 
 def _real_torch_npu() -> str | None:
@@ -45,8 +46,13 @@ def install(
 ) -> None:
     """Register the emulated ``torch.ops.npu`` ops and the stand-in modules.
 
-    ``profile`` is a name from ``PROFILES`` or a mapping of the same structure. Installing
-    again only switches the profile (and the reported versions). When ``opcontracts.patch`` is
+    ``profile`` is a name from ``PROFILES`` or a mapping of the same structure. ``version`` is
+    the torch_npu release to emulate: its structure (``_release``: which MoE token ops are
+    autograd-only over an internal ``_npu_*`` op, which grad ops their backward calls, with the
+    release's schemas) and the version the stand-in reports; a release the wheel digest does
+    not know is a ValueError naming the known ones. Installing again switches the profile (and
+    the reported versions); a different ``version`` registers the ops anew (references to op
+    packets taken before go stale). When ``opcontracts.patch`` is
     applied, the new ops are guarded at once (the patch is applied again). Raises RuntimeError when a
     real torch_npu is loaded or importable: the emulation never shadows real kernels.
 
@@ -56,7 +62,12 @@ def install(
     reports (``device="Ascend910_9382"``).  Installing again with ``device=False`` keeps a
     device already installed.
     """
-    global _lib, _finder
+    global _lib, _finder, _release
+    _check_release(version)
+    if _lib is not None and _release != version:
+        if not device and _device.installed():
+            device = _device.reported_soc()  # the device stays, with the SoC it reports
+        uninstall()
     with _lock:
         resolved = _profiles.resolve(profile, _ops.tensor_args())
         versions = {"torch_npu": version, "mindspeed": mindspeed_version}
@@ -71,11 +82,11 @@ def install(
                 f"opcontracts.emulation.install() refused: a real torch_npu is present ({reason}). "
                 "The emulation is for machines without an NPU stack."
             )
-        lib = _ops.register()
+        lib = _ops.register(version)
         _profiles.activate(resolved)
         finder = StandinFinder(versions)
         finder.insert()
-        _lib, _finder = lib, finder
+        _lib, _finder, _release = lib, finder, version
         try:
             _install_device(device)
         except BaseException:
@@ -134,7 +145,21 @@ def _drop() -> None:
         if _lib is not None:
             _ops.deregister(_lib)
         _profiles.deactivate()
-        _lib, _finder = None, None
+        _lib, _finder, _release = None, None, None
+
+
+def _check_release(version: str) -> None:
+    from ..wheel import digest
+
+    known = digest.load().versions
+    if version not in known:
+        raise ValueError(f"opcontracts.emulation.install(version={version!r}): the wheel digest "
+                         f"has no torch_npu {version}; known releases: {', '.join(known)}")
+
+
+def installed_release() -> str | None:
+    """The torch_npu release whose structure the installed emulation has (None: not installed)."""
+    return _release if _lib is not None else None
 
 
 def installed() -> bool:
