@@ -210,3 +210,42 @@ def test_dispatch_mode_in_backward_follows_the_callers_mode(device: Any) -> None
     with ContractDispatchMode(), opcontracts.mode("strict"), \
             pytest.raises(opcontracts.ContractViolation, match="probs"):
         loss.backward()
+
+
+def test_on_the_213_device_backward_dispatches_the_release_ops_on_the_worker_thread(
+        device: Any) -> None:
+    """What a dispatch mode below autograd sees on torch_npu 2.13's structure, on the device:
+    the internal forward op, the v2 grad op, the latter on the engine's worker thread."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: list[tuple[str, int]] = []
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            if func.namespace == "npu":
+                seen.append((func._opname, threading.get_ident()))
+            return func(*args, **(kwargs or {}))
+
+    tokens = torch.randn(6, 8, dtype=torch.bfloat16).npu().requires_grad_()
+    permuted, sorted_indices = device.npu_moe_token_permute(tokens, torch.randint(0, 4, (6, 2)).npu())
+    probs = torch.rand(6, 2).to(torch.bfloat16).npu()
+    with Log():
+        device.npu_moe_token_unpermute(permuted, sorted_indices, probs).float().sum().backward()
+    names = [name for name, _ in seen]
+    assert names[0] == "_npu_moe_token_unpermute"
+    assert "npu_moe_token_unpermute_grad_v2" in names and "npu_moe_token_permute_grad_v2" in names
+    assert {tid for name, tid in seen if name.endswith("_grad_v2")} != {threading.get_ident()}
+
+
+def test_switching_the_release_keeps_the_device() -> None:
+    emulation.install(device="Ascend910B4")
+    try:
+        emulation.install(version="2.12.0")  # the ops registered anew for another release
+        assert torch.npu.get_device_name() == "Ascend910B4"
+        import torch_npu
+
+        x = torch.randn(4, 16, dtype=torch.bfloat16, device="npu")
+        assert torch_npu.npu_swiglu(x).device.type == "npu"  # the new ops' kernels for npu
+    finally:
+        emulation.uninstall()
