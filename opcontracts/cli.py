@@ -540,6 +540,9 @@ def build_parser() -> argparse.ArgumentParser:
     from ._tools.dump_cli import add_parser as _add_dump_parsers  # imports nothing until run
 
     _add_dump_parsers(sub, _load_for_list)  # check-dump, record --from-dump
+    from ._tools.selftest import add_parser as _add_selftest_parser  # imports nothing until run
+
+    _add_selftest_parser(sub)
     return p
 
 

@@ -556,6 +556,11 @@ class Contract(_Frozen):
     replace: StrictBool = False
     """a user's contract that replaces the shipped contracts of its op where it applies; without
     it, a user's contract adds to them (a call must satisfy both)"""
+    rules_of: str | None = None
+    """another op reaching the same kernel (torch_npu's internal ``_npu_X`` of a public ``X``,
+    a ``_grad_v2`` op of its ``_grad`` op): this contract takes every contract of that op, per
+    version (its ``when`` intersected with this one's), keeping the arguments in this
+    ``signature`` and overriding the fields this ``args`` sets"""
     file: str | None = Field(default=None, repr=False)
 
     def __init__(self, op: Any = None, args: Any = None, /, **data: Any) -> None:
@@ -563,6 +568,8 @@ class Contract(_Frozen):
             data["op"] = op
         if args is not None:
             data["args"] = args
+        if data.get("rules_of") is not None:
+            data.setdefault("args", {})  # the rules come from the other op's contracts
         label = _label(data.get("op"))
         file = data.get("file") if isinstance(data.get("file"), str) else None
         early = [q._replace(file=file, contract=label, obj="Contract") for q in _name_problems(data)]

@@ -7,8 +7,13 @@ from typing import Any
 import pytest
 
 import opcontracts
+from opcontracts import emulation
 from opcontracts._engine import violations
 from opcontracts._lang import modes, targets
+
+# The emulated npu device needs its PrivateUse1 name and guard before the process's first
+# backward (torch's autograd engine sizes its device queues once); tests install it later.
+emulation.reserve_device()
 
 
 @pytest.fixture(autouse=True)

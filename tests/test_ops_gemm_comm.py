@@ -143,19 +143,19 @@ def test_grouped_matmul_negative_group_sizes_need_value_checks(npu: Any) -> None
 def test_grouped_matmul_list_group_list_is_the_list_overload(npu: Any) -> None:
     """torch_npu's ``npu_grouped_matmul.List`` takes group_list as a list of ints (the
     emulation registers it with the default overload's kernel, fake and backward); through the
-    guarded packet a list picks it, conforms, computes what the tensor call computes and
-    trains; the list's values are checked like the tensor's (opt-in)."""
+    guarded packet a list picks it, conforms and computes what the tensor call computes (no
+    derivative, like the default overload: ``_no_derivative``); the list's values are checked
+    like the tensor's (opt-in)."""
     x, w, kw = _gmm_grouped()
     assert "List" in torch.ops.npu.npu_grouped_matmul.overloads()
     xs, ws = [x[0].clone().requires_grad_()], [w[0].clone().requires_grad_()]
     with opcontracts.mode("strict"):
         (y,) = npu.npu_grouped_matmul(xs, ws, **{**kw, "group_list": [2, 5, 6]})
         (want,) = npu.npu_grouped_matmul(x, w, **kw)
-        y.float().sum().backward()
         (direct,) = torch.ops.npu.npu_grouped_matmul.List(x, w, **{**kw, "group_list": [2, 5, 6]})
     torch.testing.assert_close(y, want)
     torch.testing.assert_close(direct, want)
-    assert xs[0].grad is not None and ws[0].grad is not None and xs[0].grad.shape == (6, 8)
+    _no_derivative(y, *xs, *ws)
     assert not opcontracts.report()
     opcontracts.set_value_checks(True)
     exc = _violation(npu.npu_grouped_matmul, x, w, **{**kw, "group_list": [2, 5, 7]})
@@ -174,7 +174,18 @@ def test_grouped_matmul_list_group_list_is_the_list_overload(npu: Any) -> None:
     torch.testing.assert_close(out, want)
 
 
-def test_grouped_matmul_fix_casts_the_bias_and_gradients_reach_the_caller(npu: Any) -> None:
+def _no_derivative(out: torch.Tensor, *leaves: torch.Tensor) -> None:
+    """What a backward through an op without a derivative does on the NPU: torch_npu registers
+    no autograd kernel for it (no ``derivatives.yaml`` entry, no ``VariableType`` kernel in
+    ``libtorch_npu.so``), so torch's autograd fallback (torch_npu's ``VariableFallbackKernel.cpp``,
+    mode ``warn``) warns and sends its inputs no gradient.  MindSpeed's own autograd.Functions
+    (``npu_gmm``, the MC2 wrappers) supply the backward where training needs one."""
+    with pytest.warns(UserWarning, match="autograd kernel was not registered"):
+        out.float().sum().backward()
+    assert all(t.grad is None for t in leaves)
+
+
+def test_grouped_matmul_fix_casts_the_bias_and_has_no_derivative(npu: Any) -> None:
     x = [_vals(6, 8).requires_grad_()]
     ws = [_vals(8, 5, seed=s).requires_grad_() for s in range(3)]
     bias = [_vals(5, seed=s).requires_grad_() for s in range(3)]  # bf16: the doc wants fp32
@@ -187,25 +198,17 @@ def test_grouped_matmul_fix_casts_the_bias_and_gradients_reach_the_caller(npu: A
     want = _matmul.npu_grouped_matmul(x, ws, bias=[b.float() for b in bias], group_list=gl,
                                       split_item=3, group_type=0)[0]
     torch.testing.assert_close(y, want)
-    y.float().sum().backward()
-    for t in (x[0], *ws, *bias):
-        assert t.grad is not None and t.grad.dtype == t.dtype and bool(t.grad.abs().sum() > 0)
-    torch.testing.assert_close(bias[1].grad, torch.full((5,), 3.0, dtype=BF16))  # 3 rows
+    _no_derivative(y, x[0], *ws, *bias)
 
 
-def test_grouped_matmul_k_split_gradients_match_plain_pytorch(npu: Any) -> None:
-    xt = _vals(6, 8).T.contiguous().requires_grad_()  # (M=8, K=6)
-    dy = _vals(6, 5, seed=1).requires_grad_()
+def test_grouped_matmul_k_split_matches_plain_pytorch(npu: Any) -> None:
+    xt = _vals(6, 8).T.contiguous()  # (M=8, K=6)
+    dy = _vals(6, 5, seed=1)
     (y,) = npu.npu_grouped_matmul([xt], [dy], group_list=torch.tensor([2, 5, 6]), split_item=3,
                                   group_type=2, group_list_type=0)
-    x2, d2 = xt.detach().float().requires_grad_(), dy.detach().float().requires_grad_()
+    x2, d2 = xt.float(), dy.float()
     ref = torch.stack([x2[:, a:b] @ d2[a:b] for a, b in [(0, 2), (2, 5), (5, 6)]])
     torch.testing.assert_close(y.float(), ref.to(BF16).float())
-    up = _vals(*y.shape, dtype=FP32, seed=4)  # exact in bf16: both sides see the same grads
-    (y.float() * up).sum().backward()
-    (ref * up).sum().backward()
-    torch.testing.assert_close(xt.grad.float(), x2.grad.to(BF16).float())  # type: ignore[union-attr]
-    torch.testing.assert_close(dy.grad.float(), d2.grad.to(BF16).float())  # type: ignore[union-attr]
 
 
 def test_grouped_matmul_compiles_through_the_fake(npu: Any) -> None:
@@ -408,16 +411,14 @@ def test_alltoallv_gmm_negative_counts_need_value_checks(npu: Any) -> None:
     assert (exc.arg, exc.rule) == ("send_counts", "value")
 
 
-def test_alltoallv_gmm_fix_casts_fp32_and_gradients_reach_the_caller(npu: Any) -> None:
+def test_alltoallv_gmm_fix_casts_fp32_and_has_no_derivative(npu: Any) -> None:
     x, w = (t.requires_grad_() for t in _a2a(FP32))
     with opcontracts.mode("fix"), warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         y, _, _ = npu.npu_alltoallv_gmm(x, w, "ep", WORLD, COUNTS, COUNTS)
     assert any(issubclass(m.category, ContractFixWarning) for m in seen)
     assert y.dtype == BF16  # the kernel ran on the repaired (bf16) tokens
-    y.float().sum().backward()
-    assert x.grad is not None and x.grad.dtype == FP32 and bool(x.grad.abs().sum() > 0)
-    assert w.grad is not None and w.grad.dtype == FP32
+    _no_derivative(y, x, w)
 
 
 def test_alltoallv_gmm_compiles_through_the_fake(npu: Any) -> None:
@@ -486,18 +487,14 @@ def test_all_gather_base_mm_world_size_per_release(npu: Any) -> None:
         opcontracts.set_versions(torch_npu=None)
 
 
-def test_all_gather_base_mm_fix_and_gradients(npu: Any) -> None:
+def test_all_gather_base_mm_fix_and_no_derivative(npu: Any) -> None:
     x = (_vals(2, 256, dtype=FP32) / 4).requires_grad_()
     x2 = (_vals(256, 4, dtype=BF16, seed=1) / 4).requires_grad_()
     with opcontracts.mode("fix"), warnings.catch_warnings():
         warnings.simplefilter("ignore", ContractFixWarning)
         out, _ = npu.npu_all_gather_base_mm(x, x2, "tp", 2)
     assert out.dtype == BF16
-    out.float().sum().backward()
-    assert x.grad is not None and x.grad.dtype == FP32
-    # the gathered copies all came from this shard: each row's gradient counts twice
-    torch.testing.assert_close(x.grad, 2 * x2.detach().float().sum(1).expand(2, 256),
-                               atol=1e-2, rtol=1e-2)
+    _no_derivative(out, x, x2)
 
 
 def test_all_gather_base_mm_compiles_through_the_fake(npu: Any) -> None:

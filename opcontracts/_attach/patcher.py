@@ -36,6 +36,7 @@ import torch
 from .._engine import registry
 from .._engine.compile import CompiledContract
 from .._engine.enforce import compiled_for, make_guard, params_of
+from .kernels import SLOTS, KernelGuards, reached_from_cpp
 
 __all__ = ["Patcher", "PatchRecord"]
 
@@ -174,6 +175,7 @@ class Patcher:
         self.watched: frozenset[str] = frozenset()
         self.hook: _ImportHook | None = None
         self.active = False
+        self.kernels = KernelGuards()  # backward ops, guarded at the dispatcher
 
     # ------------------------------------------------------------------ public-ish
     def apply(self, targets: Iterable[tuple[str, Iterable[str]]]) -> None:
@@ -189,6 +191,7 @@ class Patcher:
 
     def unpatch(self) -> None:
         with self.lock:
+            self.kernels.remove_all()
             for rec in reversed(self.records):
                 rec.restore()
             self._unbind_late_aliases()
@@ -326,6 +329,8 @@ class Patcher:
                 return "pending"
             # kept pending too (a module may still set it later), but listed as not found
             return f"{_owner_name(owner)} has no attribute {attr!r}"
+        if isinstance(current, torch._ops.OpOverloadPacket) and reached_from_cpp(op):
+            return self._guard_kernel(target, op, current)
         if id(current) in self.guard_ids:
             # already ours: rebound earlier, or copied from a patched object (torch_npu's
             # stand-in module copies torch.ops.npu attributes when it is imported after the
@@ -354,6 +359,18 @@ class Patcher:
         if kind in ("function", "packet"):
             self.guards[id(orig_callable)] = (orig_callable, guard)
             new_originals[id(orig_callable)] = (orig_callable, guard)
+        return None
+
+    def _guard_kernel(self, target: str, op: str, packet: torch._ops.OpOverloadPacket) -> None:
+        """A backward op: guarded at the dispatcher (``kernels``), whatever name led here;
+        its packet and the attributes holding it stay as they are."""
+        qualified = packet._qualified_op_name
+        if self.kernels.installed(qualified):
+            return None
+        guard = self._guard_for(self.kernels.below(packet.default), op, params_from=packet.default)
+        slot = self.kernels.install(packet, guard)
+        self.records.append(PatchRecord(target, op, "kernel", SLOTS, slot, _MISSING, qualified))
+        self.guard_ids.add(id(guard))
         return None
 
     def _guard_for(self, original: Any, op: str, params_from: Any = None,

@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # pydantic is imported when contracts are first validated, no
     from ..spec import Arg, Contract
     from .readings import Resolution
 
-__all__ = ["register", "unregister", "get_contract", "resolve", "all_contracts", "clear",
+__all__ = ["register", "unregister", "get_contract", "resolve", "all_contracts", "clear", "expanded",
            "shipped_contracts_dir", "load_shipped", "UnknownOpError", "merge_contracts",
            "on_change", "GENERATION"]
 
@@ -255,6 +255,8 @@ def resolve(op: str) -> Contract | None:
             raise UnknownOpError(f"no contract registered for op {op!r}", op=op)
         from .readings import resolve_readings
 
+        if any(c.rules_of for c in lst):
+            lst = _derived(lst)
         targets = _targets.declared()[0]
         found = resolve_readings(op, lst, _targets.stacks(versions.current(), targets), targets,
                                  merge_contracts, is_shipped)
@@ -282,7 +284,7 @@ def resolution_on(op: str, targets: tuple[_targets.Target, ...]) -> Resolution:
     from .readings import resolve_readings
 
     resolve(op)  # loads the shipped packs on a miss; raises for an unknown op
-    return resolve_readings(op, candidates(op), _targets.stacks(versions.current(), targets),
+    return resolve_readings(op, _derived(candidates(op)), _targets.stacks(versions.current(), targets),
                             targets, merge_contracts, is_shipped)
 
 
@@ -292,6 +294,24 @@ def resolution_of(contract: Contract | None) -> Resolution | None:
         return None
     found = _resolutions.get(contract.op)
     return found if found is not None and found.strict is contract else None
+
+
+def _derived(lst: list[Contract]) -> list[Contract]:
+    """``lst`` with each ``rules_of`` contract replaced by the contracts it takes (``derive``)."""
+    from .derive import derive
+
+    out: list[Contract] = []
+    for c in lst:
+        out.extend(derive(c, _by_op.get(c.rules_of, ())) if c.rules_of else [c])
+    return out
+
+
+def expanded(op: str) -> list[Contract]:
+    """Every contract of ``op``, ``rules_of`` ones replaced by what they take (all versions)."""
+    with _lock:
+        if not _shipped_loaded:
+            load_shipped()
+        return _derived(list(_by_op.get(op, ())))
 
 
 def get_contract(op: str) -> Contract:

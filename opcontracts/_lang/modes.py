@@ -5,6 +5,16 @@ so ``mode()`` contexts are local to their thread and asyncio task (like numpy's 
 while ``set_mode()`` outside any context changes the process-wide state every thread sees.
 Wrappers read it with one ``ContextVar.get`` and, when no per-op override exists, one attribute
 load: ``current_state()`` is the whole cost of ``off`` mode.
+
+Backward on a device runs on the autograd engine's worker thread, where the ``mode()`` of the
+thread that called ``backward()`` is not set (a ContextVar belongs to its thread).  torch
+(>= 2.12) hands that thread's ``contextvars`` context to the worker threads of each backward
+(``torch.autograd.graph._engine_run_backward`` stashes ``copy_context()`` in the engine's
+thread-local state).  While some ``mode()`` context is active in the process, a thread
+without one of its own reads :class:`_Launcher`, which takes the mode from that stashed
+context (the caller of the backward being run) and falls back to the process-wide state; with
+no context active it reads the process-wide state directly, as before: nothing costs more
+when ``mode()`` is not used.
 """
 
 from __future__ import annotations
@@ -102,9 +112,86 @@ def report_setting_error(message: str) -> None:
         _setting_error.append(message)
 
 
-_global_state = _initial()
+_process_state = _initial()  # set_mode() outside any context
 _lock = threading.Lock()
 _ctx: ContextVar[_State | None] = ContextVar("opcontracts_mode", default=None)
+
+
+def _launch_state() -> _State:
+    """The mode of the thread that launched the backward this thread is running, or the
+    process-wide mode when it is not running one (or its launcher had no context)."""
+    if _in_tls("context"):
+        s = _from_tls("context").get(_ctx)
+        if s is not None:
+            return s  # type: ignore[no-any-return]
+    return _process_state
+
+
+class _Launcher(_State):
+    """What a thread without a ``mode()`` context reads while one is active somewhere: a
+    ``_State`` whose two attributes are resolved per read (two thread-local lookups)."""
+
+    __slots__ = ()
+
+    def __init__(self) -> None:  # no state of its own: it reads the launcher's
+        pass
+
+    @property
+    def default(self) -> Mode:  # type: ignore[override]
+        return _launch_state().default
+
+    @property
+    def by_op(self) -> Mapping[str, Mode]:  # type: ignore[override]
+        return _launch_state().by_op
+
+
+_LAUNCHER = _Launcher()
+_active = 0  # mode() contexts entered and not yet exited, all threads together
+# What a thread without a context of its own reads (guards read this name on every call):
+# the process-wide state, or _LAUNCHER while a context is active and torch hands the
+# launcher's context to the engine's threads.
+_global_state: _State = _process_state
+
+
+def _engine_hands_context() -> bool:
+    """Whether this torch stashes the caller's context for backward (torch >= 2.12); binds
+    the two lookups ``_launch_state`` makes."""
+    global _in_tls, _from_tls
+    import torch  # imported already by anyone who runs a backward
+
+    has = getattr(torch._C, "_is_key_in_tls", None)
+    get = getattr(torch._C, "_get_obj_in_tls", None)
+    if has is None or get is None:
+        return False
+    _in_tls, _from_tls = has, get
+    return True
+
+
+def _not_in_tls(key: str) -> bool:
+    return False
+
+
+_in_tls: Callable[[str], bool] = _not_in_tls
+_from_tls: Callable[[str], Any] = _not_in_tls
+_hands_context: bool | None = None  # decided when the first context is entered
+
+
+def _count(delta: int) -> None:
+    """One more (fewer) active context; publish what contextless threads read."""
+    global _active, _global_state, _hands_context
+    with _lock:
+        if _hands_context is None:
+            _hands_context = _engine_hands_context()
+        _active += delta
+        _global_state = _LAUNCHER if _active and _hands_context else _process_state
+
+
+def _set_process_state(state: _State) -> None:
+    """Change the process-wide state (under _lock)."""
+    global _process_state, _global_state
+    _process_state = state
+    if _global_state is not _LAUNCHER:
+        _global_state = state
 
 
 class _CompileView:
@@ -116,8 +203,8 @@ class _CompileView:
     """
 
     def __init__(self) -> None:
-        self.default: Mode = _global_state.default
-        self.by_op: dict[str, Mode] = dict(_global_state.by_op)
+        self.default: Mode = _process_state.default
+        self.by_op: dict[str, Mode] = dict(_process_state.by_op)
 
 
 COMPILE_VIEW = _CompileView()
@@ -131,7 +218,7 @@ def _sync() -> None:
 
 def current_state() -> _State:
     s = _ctx.get()
-    return _global_state if s is None else s
+    return (_launch_state() if _global_state is _LAUNCHER else _process_state) if s is None else s
 
 
 def mode_for(op: str) -> Mode:
@@ -152,7 +239,6 @@ def set_mode(mode: str | Mode, *, op: str | None = None) -> str:
     Inside a ``mode()`` context this changes that context only; elsewhere it changes the
     process-wide mode seen by every thread that has not entered a context of its own.
     """
-    global _global_state
     m = parse_mode(mode)
     s = _ctx.get()
     if s is not None:
@@ -161,20 +247,19 @@ def set_mode(mode: str | Mode, *, op: str | None = None) -> str:
         _sync()
         return prev.value
     with _lock:
-        prev = _global_state.default if op is None else _global_state.for_op(op)
-        _global_state = _global_state.with_mode(m, op)
+        prev = _process_state.default if op is None else _process_state.for_op(op)
+        _set_process_state(_process_state.with_mode(m, op))
     _sync()
     return prev.value
 
 
 def clear_overrides() -> None:
     """Drop every per-op override (process-wide and in the current context)."""
-    global _global_state
     s = _ctx.get()
     if s is not None:
         _ctx.set(_State(s.default))
     with _lock:
-        _global_state = _State(_global_state.default)
+        _set_process_state(_State(_process_state.default))
     _sync()
 
 
@@ -204,6 +289,7 @@ class mode(ContextDecorator):  # noqa: N801 - reads like numpy.errstate
         new = _State(self.mode) if self.op is None else cur.with_mode(self.mode, self.op)
         token = _ctx.set(new)
         _entered.set(_entered.get() + ((self, token),))
+        _count(+1)
         _sync()
         return self
 
@@ -215,6 +301,7 @@ class mode(ContextDecorator):  # noqa: N801 - reads like numpy.errstate
             if stack[i][0] is self:
                 _entered.set(stack[:i] + stack[i + 1:])
                 _ctx.reset(stack[i][1])
+                _count(-1)
                 break
         else:  # pragma: no cover - exit without enter
             raise RuntimeError(f"{self!r} exited in a context that did not enter it")

@@ -8,15 +8,21 @@ its backend entry point.  So versions come from places that are safe to read:
 torch_npu  ``set_versions`` > ``OPCONTRACTS_TORCH_NPU_VERSION`` > a ``torch_npu`` module
            already in ``sys.modules`` (the emulation's stand-in says so with
            ``__opcontracts_emulation__``) > package metadata (``torch-npu`` / ``torch_npu``)
-cann       ``set_versions`` > ``OPCONTRACTS_CANN_VERSION`` > the toolkit's
-           ``<arch>-linux/ascend_toolkit_install.info`` (``version=``) or ``version.cfg``
-           (``toolkit_running_version=[inner:8.0.RC3]``) under ``ASCEND_TOOLKIT_HOME``,
-           ``ASCEND_HOME_PATH``, ``/usr/local/Ascend/ascend-toolkit/latest`` or
-           ``/usr/local/Ascend/cann``
+cann       ``set_versions`` > ``OPCONTRACTS_CANN_VERSION`` > the ops package's
+           ``<arch>-linux/ascend_ops_install.info`` (CANN >= 8.5 ships the kernels as a
+           separate ops package whose version can differ from the toolkit's; the kernels are
+           what contracts speak about; the toolkit's version is shown beside it) > the
+           toolkit's ``<arch>-linux/ascend_toolkit_install.info`` (``version=``) or
+           ``version.cfg`` (``toolkit_running_version=[inner:8.0.RC3]``), under
+           ``ASCEND_TOOLKIT_HOME``, ``ASCEND_HOME_PATH``,
+           ``/usr/local/Ascend/ascend-toolkit/latest`` or ``/usr/local/Ascend/cann``
 mindspeed  ``set_versions`` > ``OPCONTRACTS_MINDSPEED_VERSION`` > ``sys.modules['mindspeed']``
            > package metadata (``mindspeed``)
 torch      ``torch.__version__`` when imported, else package metadata
-soc        ``set_versions`` > ``OPCONTRACTS_SOC`` (no safe way to ask the driver)
+soc        ``set_versions`` > ``OPCONTRACTS_SOC`` > ``torch_npu.npu.get_device_name()`` when
+           torch_npu is already loaded (it reads the name without the device's lazy init;
+           ``get_soc_version()`` runs that init and is never called; detection never imports
+           torch_npu to ask)
 ========== ===========================================================================
 
 CANN names its releases ``8.0.RC3``, ``8.0.RC2.alpha003``, ``8.1.RC1``: ``normalize_version``
@@ -280,7 +286,7 @@ def explain(when: When | None, env: Env) -> str:
 # --------------------------------------------------------------------------- detection
 _lock = threading.RLock()
 _overrides: dict[str, str] = {}
-_cache: tuple[Any, Any, Env] | None = None
+_cache: tuple[Any, Any, Any, Env] | None = None
 
 
 def _dist_version(*names: str) -> tuple[str, str] | None:
@@ -340,27 +346,78 @@ def _cann_roots() -> list[tuple[Path, str]]:
     return roots
 
 
-def detect_cann() -> tuple[str, str] | None:
+def _install_info(root: Path, name: str) -> tuple[str, Path] | None:
+    """(version, file) from ``root/<arch>-linux/<name>`` or ``root/<name>``."""
+    try:
+        if not root.is_dir():
+            return None
+        infos = sorted(root.glob(f"*-linux/{name}"))
+        infos.append(root / name)
+    except OSError:
+        return None
+    for info in infos:
+        if info.is_file():
+            v = _read_key(info, ("version",))
+            if v:
+                return v, info
+    return None
+
+
+def detect_cann_toolkit() -> tuple[str, str] | None:
     """(version, file it was read from) of the CANN toolkit, or ``None``."""
     for root, label in _cann_roots():
-        try:
-            if not root.is_dir():
-                continue
-            infos = sorted(root.glob("*-linux/ascend_toolkit_install.info"))
-            infos.append(root / "ascend_toolkit_install.info")
-        except OSError:
-            continue
-        for info in infos:
-            if info.is_file():
-                v = _read_key(info, ("version",))
-                if v:
-                    return v, f"{info} (via {label})"
+        found = _install_info(root, "ascend_toolkit_install.info")
+        if found is not None:
+            return found[0], f"{found[1]} (via {label})"
         cfg = root / "version.cfg"
         if cfg.is_file():
             v = _read_key(cfg, ("toolkit_running_version", "runtime_running_version"))
             if v:
                 return v, f"{cfg} (via {label})"
     return None
+
+
+def detect_cann_ops() -> tuple[str, str] | None:
+    """(version, file) of the CANN ops package (the kernels: a package of its own from CANN
+    8.5, ``ascend_ops_install.info``), or ``None``."""
+    for root, label in _cann_roots():
+        found = _install_info(root, "ascend_ops_install.info")
+        if found is not None:
+            return found[0], f"{found[1]} (via {label})"
+    return None
+
+
+def detect_cann() -> tuple[str, str] | None:
+    """(version, where) of CANN as the kernels see it: the ops package's version when one is
+    installed (the toolkit's beside it in ``where`` when they differ), else the toolkit's."""
+    ops, toolkit = detect_cann_ops(), detect_cann_toolkit()
+    if ops is None:
+        return toolkit
+    where = f"ops package: {ops[1]}"
+    if toolkit is not None:
+        same = "the same" if toolkit[0] == ops[0] else toolkit[0]
+        where += f"; toolkit {same}: {toolkit[1]}"
+    return ops[0], where
+
+
+def detect_soc() -> tuple[str, str, bool] | None:
+    """(name, origin, is_emulation) of the chip from a torch_npu already imported:
+    ``torch_npu.npu.get_device_name()``, which reads the name without the device's lazy init
+    (torch_npu 2.7.1 ... 2.14.0, ``torch_npu/npu/__init__.py``).  Never imports torch_npu or
+    ``torch_npu.npu``, never calls ``get_soc_version()`` (it initialises the device)."""
+    mod = sys.modules.get("torch_npu")
+    get = getattr(getattr(mod, "npu", None), "get_device_name", None)
+    if get is None:
+        return None
+    try:
+        name = get()
+    except Exception:  # noqa: BLE001 - no device visible, a driver error: the chip stays unknown
+        return None
+    if not isinstance(name, str) or not name.strip():
+        return None
+    if getattr(mod, "__opcontracts_emulation__", None):
+        return name.strip(), "opcontracts emulation: torch_npu.npu.get_device_name()", True
+    return name.strip(), "torch_npu.npu.get_device_name()", False
 
 
 def _detect() -> Env:
@@ -408,12 +465,19 @@ def _detect() -> Env:
             found = _module_version("torch", sys.modules.get("torch"), ("torch",))
             if found is not None:
                 put(name, found[0], found[1])
+        elif name == "soc":
+            soc = detect_soc()
+            if soc is not None:
+                put(name, soc[0], soc[1])
+                if soc[2]:
+                    emulated.append(name)
     return Env(**values, origins=tuple(origins.items()), emulated=tuple(emulated))
 
 
-def _fingerprint() -> tuple[Any, Any]:
+def _fingerprint() -> tuple[Any, Any, Any]:
     m = sys.modules
-    return m.get("torch_npu"), m.get("mindspeed")
+    torch_npu = m.get("torch_npu")
+    return torch_npu, m.get("mindspeed"), getattr(torch_npu, "npu", None)
 
 
 def _invalidate_registry() -> None:
@@ -427,19 +491,22 @@ def current() -> Env:
     """The environment, detected on first use and cached.
 
     Re-detected (and the registry's resolutions dropped) when a different ``torch_npu`` or
-    ``mindspeed`` module appears in ``sys.modules``, e.g. after ``emulation.install()``.
+    ``mindspeed`` module appears in ``sys.modules``, e.g. after ``emulation.install()``, or a
+    different ``torch_npu.npu`` (the emulated device installed after ``import torch_npu``).
     """
     global _cache
     c = _cache
     if c is not None:
         m = sys.modules
-        if m.get("torch_npu") is c[0] and m.get("mindspeed") is c[1]:
-            return c[2]
+        torch_npu = m.get("torch_npu")
+        if torch_npu is c[0] and m.get("mindspeed") is c[1] \
+                and getattr(torch_npu, "npu", None) is c[2]:  # the device module (the SoC)
+            return c[3]
     with _lock:
         fp = _fingerprint()
         env = _detect()
-        changed = c is not None and c[2] != env
-        _cache = (fp[0], fp[1], env)
+        changed = c is not None and c[3] != env
+        _cache = (*fp, env)
     if changed:
         _invalidate_registry()
     return env

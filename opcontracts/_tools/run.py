@@ -1,7 +1,8 @@
 """``opcontracts run``: run a user's script or module with ``opcontracts.patch`` applied.
 
     opcontracts run [--mode MODE] [--nan-check] [--compare [RATE]] [--record FILE
-                    [--record-target mod.fn ...]] [--report FILE] [--quiet] script.py [args ...]
+                    [--record-target mod.fn ...]] [--report FILE] [--quiet]
+                    [--emulate[=PROFILE]] script.py [args ...]
     opcontracts run [options] -m module [args ...]
 
 Why: guarding a job should not need an edit of the job.  The script runs as ``python`` would
@@ -44,7 +45,8 @@ __all__ = ["RunOptions", "UsageError", "main", "parse", "run"]
 
 USAGE = ("usage: opcontracts run [-h] [--mode MODE] [--contracts PATH] [--nan-check] "
          "[--compare [RATE]] [--record FILE [--record-target mod.fn] [--record-violations]] "
-         "[--report FILE] [--json [FILE]] [-q] (script.py | -m module) [args ...]")
+         "[--report FILE] [--json [FILE]] [-q] [--emulate[=PROFILE]] (script.py | -m module) "
+         "[args ...]")
 HELP = f"""{USAGE}
 
 Run a Python script (or a module with -m) with opcontracts.patch applied, as python would run it,
@@ -80,6 +82,10 @@ options:
                    --json -: after the script's own output, rank 0 only)
   -q, --quiet      at exit, one line when there is a contract violation, a NaN finding or a
                    divergence, nothing otherwise (the files are still written)
+  --emulate[=PROFILE]
+                   run on the CPU emulation of torch_npu 2.13 with an emulated npu device
+                   (opcontracts.emulation, device=True; PROFILE: narrow (default), incident,
+                   wide), so an unmodified torch_npu script runs on a machine without an NPU
   -m module        run a library module as a script (like python -m)
 
 exit status: the script's own (SystemExit code; 1 on an uncaught exception; 130 on Ctrl-C);
@@ -109,6 +115,7 @@ class RunOptions:
     report: str | None = None
     json: str | None = None  # "-": stdout
     contracts: list[str] = field(default_factory=list)
+    emulate: str | None = None  # the emulation's profile, None: no emulation
     help: bool = False
 
 
@@ -166,6 +173,9 @@ def parse(argv: Sequence[str]) -> RunOptions:
             opts.record_targets.append(t)
         elif w in ("--quiet", "-q"):
             opts.quiet = True
+        elif w == "--emulate" or w.startswith("--emulate="):
+            opts.emulate = w.split("=", 1)[1] if "=" in w else "narrow"
+            _check_profile(opts.emulate)
         elif w == "--report" or w.startswith("--report="):
             opts.report = value("--report", w)
         elif w == "--json" or w.startswith("--json="):
@@ -196,6 +206,14 @@ def parse(argv: Sequence[str]) -> RunOptions:
             return opts
         i += 1
     raise UsageError("a script or -m module is required")
+
+
+def _check_profile(name: str) -> None:
+    from ..emulation import PROFILES  # the emulation's names (its install is lazy)
+
+    if name not in PROFILES:
+        raise UsageError(f"--emulate: unknown profile {name!r}; expected one of "
+                         f"{', '.join(PROFILES)}")
 
 
 def _is_rate(word: str) -> bool:
@@ -335,6 +353,9 @@ def run(opts: RunOptions) -> int:
         except OpContractsError as exc:
             print(f"opcontracts run: --contracts: {exc}", file=sys.stderr)
             return 2
+    emulated = _emulate(opts.emulate)
+    if emulated is None:
+        return 2
     patch_mod = sys.modules.get("opcontracts.patch")
     was_patched = patch_mod is not None and patch_mod.is_applied()
     import opcontracts.patch as patch
@@ -378,7 +399,30 @@ def run(opts: RunOptions) -> int:
                 os.environ["OPCONTRACTS_CONTRACTS"] = saved_contracts
         if not was_patched:
             patch.unpatch()
+        if emulated:
+            from .. import emulation
+
+            emulation.uninstall()
     return status
+
+
+def _emulate(profile: str | None) -> bool | None:
+    """Install the emulation with its npu device for ``--emulate``: True when this run
+    installed it, False when there is nothing to do, None (and a line on stderr) when it cannot
+    be installed (a real torch_npu is present)."""
+    if profile is None:
+        return False
+    from .. import emulation
+
+    if emulation.installed():
+        emulation.install(profile, device=True)
+        return False
+    try:
+        emulation.install(profile, device=True)
+    except RuntimeError as exc:
+        print(f"opcontracts run: --emulate: {exc}", file=sys.stderr)
+        return None
+    return True
 
 
 # --------------------------------------------------------------------------- observers

@@ -9,7 +9,8 @@ resolve to thin stand-in modules. The kernels reproduce the failure the project 
 against: under a *kernel dtype profile*, an argument in a dtype the kernel does not support
 is silently misread (its bytes reinterpreted as the dtype the kernel assumes), exactly as
 the NPU kernels do. Profiles: ``"narrow"`` (default), ``"incident"``, ``"wide"``; see
-``PROFILES``.
+``PROFILES``.  ``install(device=True)`` also emulates the ``npu`` device (``_device``): npu
+tensors over CPU memory, ``torch.npu``, backward on the engine's worker thread as on an NPU.
 
 Typical use::
 
@@ -22,18 +23,26 @@ Typical use::
 
 from __future__ import annotations
 
-from ._install import current_profile, install, installed, uninstall
+from ._device import DEFAULT_SOC
+from ._device import reserve as reserve_device
+from ._install import current_profile, install, installed, installed_release, uninstall
 from ._ops import OP_NAMES
 from ._profiles import PROFILES, Profile
+from ._release import Structure, structure
 from ._standins import MODULE_NAMES as STANDIN_MODULES
 
 __all__ = [
+    "DEFAULT_SOC",
     "OP_NAMES",
     "PROFILES",
     "STANDIN_MODULES",
     "Profile",
+    "Structure",
     "current_profile",
     "install",
     "installed",
+    "installed_release",
+    "reserve_device",
+    "structure",
     "uninstall",
 ]

@@ -9,6 +9,7 @@ yields the same output dtype here as in eager mode.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -16,6 +17,7 @@ from ..reference._matmul import out_dtype
 from . import _kernels as K
 
 __all__ = [
+    "_npu_moe_token_unpermute",
     "npu_grouped_matmul",
     "npu_moe_compute_expert_tokens",
     "npu_moe_finalize_routing",
@@ -23,9 +25,11 @@ __all__ = [
     "npu_moe_init_routing",
     "npu_moe_token_permute",
     "npu_moe_token_permute_grad",
+    "npu_moe_token_permute_grad_v2",
     "npu_moe_token_permute_with_routing_map",
     "npu_moe_token_unpermute",
     "npu_moe_token_unpermute_grad",
+    "npu_moe_token_unpermute_grad_v2",
     "npu_moe_token_unpermute_with_routing_map",
     "npu_rms_norm",
     "npu_rotary_mul",
@@ -90,6 +94,46 @@ def npu_moe_token_unpermute_grad(
     if probs is None:
         return grad_permuted, permuted_tokens.new_empty((0,))
     return grad_permuted, probs.new_empty(probs.shape)
+
+
+def _npu_moe_token_unpermute(
+    permuted_tokens: torch.Tensor,
+    sorted_indices: torch.Tensor,
+    probs: torch.Tensor | None = None,
+    padded_mode: bool = False,
+    restore_shape: Sequence[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out = npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs, padded_mode, restore_shape)
+    return out, permuted_tokens.new_empty(permuted_tokens.shape)
+
+
+def npu_moe_token_unpermute_grad_v2(
+    grad_unpermuted_tokens: torch.Tensor,
+    sorted_indices: torch.Tensor,
+    permuted_tokens_size_0: Any,
+    permuted_tokens_dtype: torch.dtype,
+    probs: torch.Tensor | None = None,
+    padded_mode: bool = False,
+    restore_shape: Sequence[int] | None = None,
+    permuted_tokens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_permuted = grad_unpermuted_tokens.new_empty(
+        (permuted_tokens_size_0, grad_unpermuted_tokens.size(-1)), dtype=permuted_tokens_dtype)
+    if probs is None:
+        return grad_permuted, grad_unpermuted_tokens.new_empty((0,), dtype=permuted_tokens_dtype)
+    return grad_permuted, probs.new_empty(probs.shape)
+
+
+def npu_moe_token_permute_grad_v2(
+    grad_permuted_tokens: torch.Tensor,
+    sorted_indices: torch.Tensor,
+    tokens_size_0: Any,
+    tokens_dtype: torch.dtype,
+    num_topK: Any,  # noqa: N803 - torch_npu's argument name
+    padded_mode: bool = False,
+) -> torch.Tensor:
+    return grad_permuted_tokens.new_empty((tokens_size_0, grad_permuted_tokens.size(1)),
+                                          dtype=tokens_dtype)
 
 
 def npu_moe_token_permute_with_routing_map(

@@ -5,8 +5,9 @@ Backward: ``npu_fusion_attention`` and ``npu_fusion_attention_v2`` have backward
 their own in torch_npu (op-plugin's ``derivatives.yaml``: ``npu_fusion_attention_grad`` gets the
 forward's inputs, its output and softmax statistics; MindSpeed's ``FusionAttentionV2Function``
 calls ``npu_fusion_attention_grad_v2`` the same way).  So their emulated backward calls those
-ops through ``torch.ops.npu``, looked up at call time, as the permute/unpermute backward does:
-a guard on the grad op sees the backward call (nested under the forward's record), the grad
+ops as the C++ nodes do, through the ``OpOverload`` captured at install (``_captured``), as the
+permute/unpermute backward does: the patch's dispatcher guard on the grad op sees the backward
+call (nested under the forward's record), the grad
 kernel's own dtype profile applies, the NaN sentinel and the shadow compare name the grad
 kernel, and ``torch.compile`` traces it through its fake.  MindSpeed's ring attention calls the
 grad kernels directly, so they need contracts and emulation of their own anyway.
@@ -27,6 +28,7 @@ import torch
 
 from ..reference import _attention as R
 from ..reference import _attention_infer as RI
+from . import _captured
 from ._family import EmulatedOp
 
 __all__ = ["OPS"]
@@ -35,11 +37,6 @@ FLOATS = ("bf16", "fp16", "fp32")
 MASKS = ("bool", "uint8")
 FP32 = ("fp32",)
 _F32 = torch.float32
-
-
-def _npu() -> Any:
-    """``torch.ops.npu``, resolved at call time (never cached): wrappers on it are honoured."""
-    return torch.ops.npu
 
 
 # --------------------------------------------------------------------------- fakes
@@ -189,7 +186,7 @@ def _fa_backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[str, 
     """torch_npu's autograd formula (op-plugin derivatives.yaml): the grad kernel on the
     forward's inputs, attention_out (result0) and softmax statistics (result1-3)."""
     i = inputs
-    dq, dk, dv, dpse, dsink = _npu().npu_fusion_attention_grad(
+    dq, dk, dv, dpse, dsink = _captured.call("npu_fusion_attention_grad",
         i["query"], i["key"], i["value"], _dy(outputs, grads), i["head_num"], i["input_layout"],
         pse=i["pse"], padding_mask=i["padding_mask"], atten_mask=i["atten_mask"],
         softmax_max=outputs[1], softmax_sum=outputs[2], softmax_in=outputs[3],
@@ -208,7 +205,7 @@ def _fa_backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[str, 
 def _fa_v2_backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[str, Any]:
     """MindSpeed's FusionAttentionV2Function.backward: the v2 grad kernel, same arguments."""
     i = inputs
-    dq, dk, dv, dpse, dqr, dkr, dsink = _npu().npu_fusion_attention_grad_v2(
+    dq, dk, dv, dpse, dqr, dkr, dsink = _captured.call("npu_fusion_attention_grad_v2",
         i["query"], i["key"], i["value"], _dy(outputs, grads), i["head_num"], i["input_layout"],
         pse=i["pse"], padding_mask=i["padding_mask"], atten_mask=i["atten_mask"],
         softmax_max=outputs[1], softmax_sum=outputs[2], softmax_in=outputs[3],

@@ -6,52 +6,23 @@ torch_npu registers no autograd for any of them (they are in the ``custom`` sect
 ``npu_native_functions_by_codegen.yaml``, none under ``autograd``).  MindSpeed trains through
 the all-to-all / all-gather fusions with its own ``autograd.Function``, whose backward calls the
 paired op (mindspeed/ops/grouped_matmul_mc2.py, mindspeed/core/tensor_parallel/mc2_feature/
-linear_function.py); for them the emulation's backward is the reference's gradient, taken in
-fp32 and rounded once to each input's dtype (PyTorch's autograd fallback would trace the
-reference in bf16 and round a tensor that feeds two outputs twice).  The finalize-routing GEMM
-(serving, int8) and the accumulating K-split GEMM (itself a weight gradient) have none.
+linear_function.py).  So the emulation registers no autograd kernel for them either: a backward
+through one directly gets torch's autograd fallback, as on the NPU (a warning, no gradient to
+its inputs: ``_ops._opaque``), and MindSpeed's stand-ins bring their own backward.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
-from .. import reference
-from ._family import BackwardFn, EmulatedOp
+from ._family import EmulatedOp
 
 __all__ = ["OPS"]
 
 _DOCS = "torch_npu 2.14.0 _op_plugin_docs.py"
 HALF = ("bf16", "fp16")
-
-
-def _fp32_grads(name: str) -> BackwardFn:
-    """Autograd through ``name``'s reference on fp32 copies of its floating inputs; each
-    gradient cast back to its input's dtype."""
-
-    def backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[str, Any]:
-        ref = reference.get(name)
-        assert ref is not None
-        floats = {k: v for k, v in inputs.items()
-                  if isinstance(v, torch.Tensor) and v.is_floating_point()}
-        leaves = {k: v.detach().float().requires_grad_() for k, v in floats.items()}
-        with torch.enable_grad():
-            out = ref.forward(**{**inputs, **leaves})
-        outs = list(out) if isinstance(out, (tuple, list)) else [out]
-        gs = list(grads) if isinstance(grads, (tuple, list)) else [grads]
-        pairs = [(o, g) for o, g in zip(outs, gs, strict=False)
-                 if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
-        if not pairs:
-            return {}
-        got = torch.autograd.grad([o for o, _ in pairs], list(leaves.values()),
-                                  [g.to(o.dtype) for o, g in pairs], allow_unused=True)
-        return {k: g.to(floats[k].dtype) for k, g in zip(leaves, got, strict=True)
-                if g is not None}
-
-    return backward
 
 
 def _finalize_routing_fake(
@@ -143,14 +114,12 @@ OPS: tuple[EmulatedOp, ...] = (
         "npu_alltoallv_gmm",
         fake=_alltoallv_gmm_fake,
         dtypes={"gmm_x": HALF, "gmm_weight": HALF, "mm_x": HALF, "mm_weight": HALF},
-        backward=_fp32_grads("npu_alltoallv_gmm"),
         source=f"{_DOCS} (npu_alltoallv_gmm)",
     ),
     EmulatedOp(
         "npu_gmm_alltoallv",
         fake=_gmm_alltoallv_fake,
         dtypes={"gmm_x": HALF, "gmm_weight": HALF, "mm_x": HALF, "mm_weight": HALF},
-        backward=_fp32_grads("npu_gmm_alltoallv"),
         source=f"{_DOCS} (npu_gmm_alltoallv)",
     ),
     EmulatedOp(
@@ -159,7 +128,6 @@ OPS: tuple[EmulatedOp, ...] = (
         # int8 with its scales (the quantized mode, 2.6.0.post3 on)
         dtypes={"self": (*HALF, "int8"), "x2": (*HALF, "int8"), "bias": HALF,
                 "x1_scale": ("fp32",), "x2_scale": ("fp32", "int64")},
-        backward=_fp32_grads("npu_all_gather_base_mm"),
         source=f"{_DOCS} (npu_all_gather_base_mm)",
     ),
     EmulatedOp(

@@ -13,8 +13,8 @@ or floating ``scale`` of ``npu_quant_matmul``; int32 or bf16 ``x`` of
 what it is.
 
 Backward: only ``npu_cross_entropy_loss`` is trained through here.  Its backward calls
-``torch.ops.npu.npu_cross_entropy_loss_backward`` (looked up at call time), as torch_npu's
-derivative does (op-plugin ``derivatives.yaml``), so a guard on that op sees the backward call;
+``npu_cross_entropy_loss_backward`` (the ``OpOverload`` captured at install), as torch_npu's
+derivative does from C++ (op-plugin ``derivatives.yaml``): the patch's dispatcher guard sees it;
 ``npu_swiglu``'s backward calls ``npu_swiglu_backward`` the same way (``_backward``).  The
 other ops have no derivative in torch_npu (op-plugin's ``derivatives.yaml`` has no entry for
 them): ``npu_add_rms_norm`` and ``npu_apply_rotary_pos_emb`` raise on backward, as torch_npu's
@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from . import _captured
 from ._family import NO_DERIVATIVE, EmulatedOp
 
 __all__ = ["OPS"]
@@ -167,10 +168,10 @@ def _cross_entropy_backward(inputs: dict[str, Any], outputs: Any, grads: Any) ->
     """torch_npu's derivative (op-plugin derivatives.yaml, ``output_differentiability: [true,
     false, true, false]``): ``npu_cross_entropy_loss_backward(grads[0], result1, target,
     weight, grads[1], result3, ...)``: the backward kernel on the loss's gradient and the saved
-    log_prob, through ``torch.ops.npu`` (so a guard on it sees the call, as on the NPU)."""
+    log_prob, through the ``OpOverload`` captured at install, as the C++ node calls it."""
     grad_loss, _, grad_zloss, _ = grads
     _, log_prob, _, lse = outputs
-    grad = torch.ops.npu.npu_cross_entropy_loss_backward(
+    grad = _captured.call("npu_cross_entropy_loss_backward",
         grad_loss, log_prob, inputs["target"], inputs["weight"],
         grad_zloss if inputs["return_zloss"] else None, lse, inputs["reduction"],
         inputs["ignore_index"], inputs["label_smoothing"], inputs["lse_square_scale_for_zloss"])

@@ -8,10 +8,10 @@ import threading
 
 from torch.library import Library
 
-from . import _ops, _profiles
+from . import _device, _ops, _profiles
 from ._standins import MODULE_NAMES, StandinFinder, is_standin
 
-__all__ = ["current_profile", "install", "installed", "uninstall"]
+__all__ = ["current_profile", "install", "installed", "installed_release", "uninstall"]
 
 DEFAULT_TORCH_NPU_VERSION = "2.13.0"
 DEFAULT_MINDSPEED_VERSION = "0.8.0"
@@ -19,6 +19,7 @@ DEFAULT_MINDSPEED_VERSION = "0.8.0"
 _lock = threading.RLock()
 _lib: Library | None = None
 _finder: StandinFinder | None = None
+_release: str | None = None  # the torch_npu release whose structure the ops have
 
 
 def _real_torch_npu() -> str | None:
@@ -41,21 +42,39 @@ def install(
     *,
     version: str = DEFAULT_TORCH_NPU_VERSION,
     mindspeed_version: str = DEFAULT_MINDSPEED_VERSION,
+    device: bool | str = False,
 ) -> None:
     """Register the emulated ``torch.ops.npu`` ops and the stand-in modules.
 
-    ``profile`` is a name from ``PROFILES`` or a mapping of the same structure. Installing
-    again only switches the profile (and the reported versions). When ``opcontracts.patch`` is
+    ``profile`` is a name from ``PROFILES`` or a mapping of the same structure. ``version`` is
+    the torch_npu release to emulate: its structure (``_release``: which MoE token ops are
+    autograd-only over an internal ``_npu_*`` op, which grad ops their backward calls, with the
+    release's schemas) and the version the stand-in reports; a release the wheel digest does
+    not know is a ValueError naming the known ones. Installing again switches the profile (and
+    the reported versions); a different ``version`` registers the ops anew (references to op
+    packets taken before go stale). When ``opcontracts.patch`` is
     applied, the new ops are guarded at once (the patch is applied again). Raises RuntimeError when a
     real torch_npu is loaded or importable: the emulation never shadows real kernels.
+
+    ``device=True`` also registers the emulated ``npu`` device (``_device``: ``torch.npu``,
+    ``torch_npu.npu``, npu tensors over CPU memory, the ops' kernels for it, backward on the
+    engine's worker thread) reporting the SoC ``_device.DEFAULT_SOC``; a string is the SoC it
+    reports (``device="Ascend910_9382"``).  Installing again with ``device=False`` keeps a
+    device already installed.
     """
-    global _lib, _finder
+    global _lib, _finder, _release
+    _check_release(version)
+    if _lib is not None and _release != version:
+        if not device and _device.installed():
+            device = _device.reported_soc()  # the device stays, with the SoC it reports
+        uninstall()
     with _lock:
         resolved = _profiles.resolve(profile, _ops.tensor_args())
         versions = {"torch_npu": version, "mindspeed": mindspeed_version}
         if _lib is not None and _finder is not None:
             _profiles.activate(resolved)
             _finder.set_versions(versions)
+            _install_device(device)
             return
         reason = _real_torch_npu()
         if reason is not None:
@@ -63,11 +82,16 @@ def install(
                 f"opcontracts.emulation.install() refused: a real torch_npu is present ({reason}). "
                 "The emulation is for machines without an NPU stack."
             )
-        lib = _ops.register()
+        lib = _ops.register(version)
         _profiles.activate(resolved)
         finder = StandinFinder(versions)
         finder.insert()
-        _lib, _finder = lib, finder
+        _lib, _finder, _release = lib, finder, version
+        try:
+            _install_device(device)
+        except BaseException:
+            _drop()  # nothing half-installed
+            raise
     # The new ``torch.ops.npu`` ops appear without any import the patch's hook could see:
     # an applied patch guards them now (it never imports anything itself).
     patch = sys.modules.get("opcontracts.patch")  # never imported from here
@@ -75,8 +99,18 @@ def install(
         patch.apply()
 
 
+def _install_device(device: bool | str) -> None:
+    """The npu device when asked for; while it is installed, its kernels for every op the
+    emulation defines now (registered again after each install: the ops may be new)."""
+    if device:
+        _device.install(_device.DEFAULT_SOC if device is True else str(device))
+    if _device.installed():
+        _device.register_op_kernels()
+
+
 def uninstall() -> None:
-    """Undo :func:`install`: drop the stand-in modules, the finder and the ``npu`` ops.
+    """Undo :func:`install`: drop the stand-in modules, the finder, the ``npu`` ops and the
+    ``npu`` device (what of the device cannot be undone: ``_device``).
 
     References to stand-in modules or op packets taken earlier go stale (calling them fails).
     A no-op when not installed.  When ``opcontracts.patch`` is applied, its guards on the
@@ -99,6 +133,7 @@ def uninstall() -> None:
 def _drop() -> None:
     global _lib, _finder
     with _lock:
+        _device.uninstall()  # its kernels for the ops first, while the ops exist
         if _finder is not None:
             _finder.remove()
         for name in list(sys.modules):
@@ -110,7 +145,21 @@ def _drop() -> None:
         if _lib is not None:
             _ops.deregister(_lib)
         _profiles.deactivate()
-        _lib, _finder = None, None
+        _lib, _finder, _release = None, None, None
+
+
+def _check_release(version: str) -> None:
+    from ..wheel import digest
+
+    known = digest.load().versions
+    if version not in known:
+        raise ValueError(f"opcontracts.emulation.install(version={version!r}): the wheel digest "
+                         f"has no torch_npu {version}; known releases: {', '.join(known)}")
+
+
+def installed_release() -> str | None:
+    """The torch_npu release whose structure the installed emulation has (None: not installed)."""
+    return _release if _lib is not None else None
 
 
 def installed() -> bool:

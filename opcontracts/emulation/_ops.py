@@ -12,6 +12,12 @@ Per op the registration is:
 * a fake implementation (``torch.library.register_fake``) for ``torch.compile``;
 * for differentiable ops, an ``Autograd`` kernel (``_autograd``) running ``_backward``'s formula.
 
+What differs by torch_npu release is registered per release (``register(release)``,
+``_release``): the internal and ``_grad_v2`` ops only where the release defines them (with its
+schemas), the public unpermute as an autograd-only kernel calling ``_npu_moe_token_unpermute``
+where it is one (``_nodes``), and the permute / unpermute backward through the release's grad op,
+captured once as an ``OpOverload`` (``_captured``).
+
 Everything is registered through one ``torch.library.Library("npu", "FRAGMENT")``; destroying
 it removes every definition and kernel again (see :func:`deregister`).
 """
@@ -28,10 +34,11 @@ import torch
 from torch.library import Library
 
 from .. import reference
-from . import _fakes, _raw
+from . import _captured, _fakes, _raw, _release
 from ._autograd import BackwardFn, make_autograd_kernel
-from ._backward import BACKWARDS
+from ._backward import BACKWARDS, moe_token_backwards
 from ._family import DIGEST_RELEASE, all_ops, backward_of, digest_schema
+from ._nodes import autograd_only
 
 __all__ = ["EXTRA_OVERLOADS", "NAMESPACE", "OPS", "OP_NAMES", "OpDef", "deregister",
            "overload_schema", "register", "tensor_args"]
@@ -65,6 +72,8 @@ class OpDef:
     kernel: Callable[..., Any]
     fake: Callable[..., Any]
     backward: BackwardFn | None = None
+    release_only: bool = False
+    """registered only where the installed release defines the op (``_release``)"""
 
 
 def _reference(name: str) -> Callable[..., Any]:
@@ -87,6 +96,14 @@ OPS: tuple[OpDef, ...] = tuple(
     OpDef(name=op.name, schema=SCHEMAS[op.name], kernel=_reference(op.name), fake=op.fake,
           backward=backward_of(op))
     for op in all_ops()
+)
+# The ops later releases route the MoE token ops through: same aclnn kernels (and profiles:
+# ``_profiles``) as the public / ``_grad`` ops, schemas from the installed release (``_release``).
+_RELEASE_OPS = tuple(_release.SAME_KERNEL)
+OPS += tuple(
+    OpDef(name=name, schema=digest_schema(name), kernel=_reference(name), fake=getattr(_fakes, name),
+          release_only=True)
+    for name in _RELEASE_OPS
 )
 OP_NAMES: tuple[str, ...] = tuple(op.name for op in OPS)
 
@@ -171,6 +188,20 @@ def _through(view: Callable[[str, str, Any], Any], name: str, fn: Callable[..., 
     return entry
 
 
+def _opaque(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run as a C++ kernel runs: below autograd, so the plain-PyTorch ops inside it record
+    no graph.  An op without an autograd kernel then gets torch's autograd fallback, as on the NPU
+    (torch_npu's ``VariableFallbackKernel.cpp``, mode ``warn``): a backward through it warns
+    "an autograd kernel was not registered" and sends no gradient to its inputs."""
+
+    @functools.wraps(fn)
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            return fn(*args, **kwargs)
+
+    return kernel
+
+
 def _exists(name: str) -> bool:
     try:
         getattr(getattr(torch.ops, NAMESPACE), name)
@@ -179,52 +210,84 @@ def _exists(name: str) -> bool:
     return True
 
 
-def register() -> Library:
-    """Define every op in the ``npu`` namespace; the returned Library owns all registrations.
+def register(release: str = DIGEST_RELEASE) -> Library:
+    """Define every op of ``release`` in the ``npu`` namespace; the returned Library owns all
+    registrations.
 
     Raises RuntimeError when one of the ops is already defined (a real torch_npu, or another
-    emulation), before registering anything.
+    emulation), before registering anything; KeyError when the digest has no such release.
     """
-    taken = [name for name in OP_NAMES if _exists(name)]
+    structure = _release.structure(release)
+    schemas = _release_schemas(release)
+    ops = [op for op in OPS if not op.release_only or op.name in schemas]
+    taken = [op.name for op in ops if _exists(op.name)]
     if taken:
         raise RuntimeError(
             f"torch.ops.{NAMESPACE} already defines {', '.join(taken)}: a real torch_npu or another "
             "emulation is loaded; opcontracts.emulation will not shadow it"
         )
+    # no autograd kernel where torch_npu has no derivative (the fallback's behaviour, ``_opaque``)
+    backwards: dict[str, BackwardFn | None] = {
+        **dict.fromkeys(_release.NO_DERIVATIVE_OPS), **moe_token_backwards(structure)}
     lib = Library(NAMESPACE, "FRAGMENT")
     try:
-        for op in OPS:
-            lib.define(op.schema)
-            lib.impl(op.name, _through(_raw.kernel_view, op.name, op.kernel), "CompositeExplicitAutograd")
-            torch.library.register_fake(
-                f"{NAMESPACE}::{op.name}", _through(_raw.fake_view, op.name, op.fake), lib=lib
-            )
-            if op.backward is not None:
-                overload = getattr(getattr(torch.ops, NAMESPACE), op.name).default
-                lib.impl(op.name, make_autograd_kernel(overload, op.backward), "Autograd", with_keyset=True)
-            if op.name in EXTRA_OVERLOADS:
-                _register_overload(lib, op, *EXTRA_OVERLOADS[op.name])
+        for op in ops:
+            lib.define(schemas[op.name] if op.release_only else op.schema)
+        _captured.capture(NAMESPACE, tuple(op.name for op in ops))
+        for op in ops:
+            _register_op(lib, op, backwards.get(op.name, op.backward),
+                         public_only=op.name == "npu_moe_token_unpermute"
+                         and structure.unpermute_internal is not None)
     except BaseException:
+        _captured.clear()
         lib._destroy()
         raise
     return lib
 
 
-def _register_overload(lib: Library, op: OpDef, overload: str, names: tuple[str, ...]) -> None:
+def _release_schemas(release: str) -> dict[str, str]:
+    """The schema strings of the release-only ops that ``release`` defines."""
+    from ..wheel import digest
+
+    have = digest.op_schemas(release)
+    return {name: have[name][0].func for name in _RELEASE_OPS if name in have}
+
+
+def _register_op(lib: Library, op: OpDef, backward: BackwardFn | None, public_only: bool) -> None:
+    view_name = op.name
+    qualified = f"{NAMESPACE}::{op.name}"
+    if public_only:  # the release's AutogradPrivateUse1-only kernel (``_nodes``)
+        autograd_kernel, below = autograd_only(_captured.overload("_npu_moe_token_unpermute"))
+        lib.impl(op.name, autograd_kernel, "Autograd", with_keyset=True)
+        lib.impl(op.name, below, "CompositeExplicitAutograd")
+    else:
+        lib.impl(op.name, _opaque(_through(_raw.kernel_view, view_name, op.kernel)),
+                 "CompositeExplicitAutograd")
+    torch.library.register_fake(qualified, _through(_raw.fake_view, view_name, op.fake), lib=lib)
+    if backward is not None and not public_only:
+        overload = getattr(getattr(torch.ops, NAMESPACE), op.name).default
+        lib.impl(op.name, make_autograd_kernel(overload, backward), "Autograd", with_keyset=True)
+    if op.name in EXTRA_OVERLOADS:
+        _register_overload(lib, op, *EXTRA_OVERLOADS[op.name], backward=backward)
+
+
+def _register_overload(lib: Library, op: OpDef, overload: str, names: tuple[str, ...],
+                       backward: BackwardFn | None) -> None:
     qualified = f"{op.name}.{overload}"
     lib.define(overload_schema(op.name, overload))
-    lib.impl(qualified, _through(_raw.kernel_view, op.name, _with_tensors(op.kernel, names)),
+    lib.impl(qualified, _opaque(_through(_raw.kernel_view, op.name, _with_tensors(op.kernel, names))),
              "CompositeExplicitAutograd")
     torch.library.register_fake(
         f"{NAMESPACE}::{qualified}",
         _through(_raw.fake_view, op.name, _with_tensors(op.fake, names, fake=True)), lib=lib)
-    if op.backward is not None:
+    if backward is not None:
         ov = getattr(getattr(getattr(torch.ops, NAMESPACE), op.name), overload)
-        lib.impl(qualified, make_autograd_kernel(ov, _backward_with_tensors(op.backward, names)),
+        lib.impl(qualified, make_autograd_kernel(ov, _backward_with_tensors(backward, names)),
                  "Autograd", with_keyset=True)
 
 
 def deregister(lib: Library) -> None:
     """Undo :func:`register`: ``Library._destroy`` drops the definitions, kernels and fakes and
     clears the cached ``torch.ops.npu.<name>`` packets (wrappers set on them go too)."""
+    _captured.clear()
     lib._destroy()

@@ -193,6 +193,19 @@ def _add_families() -> None:
 _add_families()
 
 
+def _add_same_kernels() -> None:
+    """The release-only ops (``_release.SAME_KERNEL``) read as the kernel they run does."""
+    from ._release import SAME_KERNEL
+
+    for table in PROFILES.values():
+        for name, kernel in SAME_KERNEL.items():
+            if kernel in table:
+                table[name] = dict(table[kernel])
+
+
+_add_same_kernels()
+
+
 @dataclass(frozen=True)
 class Profile:
     """A resolved profile: dtype names turned into ``torch.dtype``, read-only."""

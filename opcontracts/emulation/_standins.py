@@ -531,8 +531,13 @@ class _Builders:
     def torch_npu(self, module: types.ModuleType) -> None:
         module.__version__ = self.versions["torch_npu"]  # type: ignore[attr-defined]
         module.__doc__ = "opcontracts emulation of torch_npu: npu_* are torch.ops.npu packets."
+        ns = _npu()
         for name in OP_NAMES:
-            setattr(module, name, getattr(_npu(), name))
+            if hasattr(ns, name):  # the release-only ops where the release has them
+                setattr(module, name, getattr(ns, name))
+        device = sys.modules.get("torch_npu.npu")  # the emulated device, when installed
+        if device is not None:
+            module.npu = device  # type: ignore[attr-defined]
 
     def mindspeed(self, module: types.ModuleType) -> None:
         module.__version__ = self.versions["mindspeed"]  # type: ignore[attr-defined]

@@ -64,6 +64,20 @@ def unpermute_grad(gen: torch.Generator) -> Example:
         {"probs": _probs(gen, N, K)}
 
 
+def internal_unpermute(gen: torch.Generator) -> Example:
+    return unpermute(gen)
+
+
+def unpermute_grad_v2(gen: torch.Generator) -> Example:
+    permuted, grad, sorted_indices = _vals(gen, N * K, H), _vals(gen, N, H), _perm(gen, N * K)
+    return (grad, sorted_indices, N * K, BF16), {"probs": _probs(gen, N, K),
+                                                 "permuted_tokens": permuted}
+
+
+def permute_grad_v2(gen: torch.Generator) -> Example:
+    return (_vals(gen, N * K, H), _perm(gen, N * K), N, BF16, K), {}
+
+
 def permute_routing(gen: torch.Generator) -> Example:
     return (_vals(gen, N, H), _routing_map(gen)), {"probs": _probs(gen, N, E),
                                                    "num_out_tokens": N * K}

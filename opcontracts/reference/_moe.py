@@ -22,15 +22,18 @@ import torch
 from ._util import acc_dtype, fit, gather_rows, safe_index, scatter_add_rows
 
 __all__ = [
+    "_npu_moe_token_unpermute",
     "npu_moe_compute_expert_tokens",
     "npu_moe_finalize_routing",
     "npu_moe_gating_top_k_softmax",
     "npu_moe_init_routing",
     "npu_moe_token_permute",
     "npu_moe_token_permute_grad",
+    "npu_moe_token_permute_grad_v2",
     "npu_moe_token_permute_with_routing_map",
     "npu_moe_token_unpermute",
     "npu_moe_token_unpermute_grad",
+    "npu_moe_token_unpermute_grad_v2",
     "npu_moe_token_unpermute_with_routing_map",
     "num_out_rows",
     "routing_map_out_rows",
@@ -158,8 +161,66 @@ def npu_moe_token_unpermute_grad(
     return grad_permuted, grad_probs
 
 
-# --------------------------------------------------------------------------- routing-map variants
+# ----------------------------------------------------------------------------- release ops
+# torch_npu 2.7.1.post11 / 2.9.0.post9 / 2.12.0.post3 / 2.13 / 2.14: the public unpermute is an
+# autograd-only kernel calling _npu_moe_token_unpermute, whose backward calls the v2 grad ops
+# (npu_native_functions_by_codegen.yaml; Functions.h: NpuMoeTokenUnpermuteBackward0 saves
+# permuted_tokens_scalar_type, permuted_tokens_sym_argsize_0, permuted_tokens_for_backward).
+# Same aclnn kernels as the public / _grad ops: these only adapt the arguments.
 
+
+def _npu_moe_token_unpermute(
+    permuted_tokens: torch.Tensor,
+    sorted_indices: torch.Tensor,
+    probs: torch.Tensor | None = None,
+    padded_mode: bool = False,
+    restore_shape: Sequence[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``npu_moe_token_unpermute``'s kernel, also returning what its backward needs
+    (``permuted_tokens_for_backward``: the permuted tokens, a copy)."""
+    out = npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs, padded_mode,
+                                  restore_shape)
+    return out, permuted_tokens.detach().clone()  # not differentiable (only saved)
+
+
+def npu_moe_token_unpermute_grad_v2(
+    grad_unpermuted_tokens: torch.Tensor,
+    sorted_indices: torch.Tensor,
+    permuted_tokens_size_0: int,
+    permuted_tokens_dtype: torch.dtype,
+    probs: torch.Tensor | None = None,
+    padded_mode: bool = False,
+    restore_shape: Sequence[int] | None = None,
+    permuted_tokens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``npu_moe_token_unpermute_grad`` with the permuted tokens' row count and dtype given
+    (the tokens themselves only when probs' gradient needs them)."""
+    if permuted_tokens is None:
+        permuted_tokens = grad_unpermuted_tokens.new_zeros(
+            (permuted_tokens_size_0, grad_unpermuted_tokens.size(-1)), dtype=permuted_tokens_dtype)
+    grad_permuted, grad_probs = npu_moe_token_unpermute_grad(
+        permuted_tokens, grad_unpermuted_tokens, sorted_indices, probs, padded_mode, restore_shape)
+    return grad_permuted.to(permuted_tokens_dtype), grad_probs
+
+
+def npu_moe_token_permute_grad_v2(
+    grad_permuted_tokens: torch.Tensor,
+    sorted_indices: torch.Tensor,
+    tokens_size_0: int,
+    tokens_dtype: torch.dtype,
+    num_topK: int,  # noqa: N803 - torch_npu's argument name
+    padded_mode: bool = False,
+) -> torch.Tensor:
+    """``npu_moe_token_permute_grad`` with the tokens' row count and dtype and the top-k given
+    instead of the tokens and indices."""
+    shape_only = grad_permuted_tokens.new_empty((tokens_size_0, 0))
+    indices = sorted_indices.new_empty((tokens_size_0, num_topK) if num_topK > 1 else (tokens_size_0,))
+    out = npu_moe_token_permute_grad(shape_only, grad_permuted_tokens, indices, sorted_indices,
+                                     padded_mode)
+    return out.to(tokens_dtype)
+
+
+# --------------------------------------------------------------------------- routing-map variants
 
 def routing_map_out_rows(
     tokens_rows: int, routing_map: torch.Tensor, num_out_tokens: int | None, drop_and_pad: bool

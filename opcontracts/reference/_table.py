@@ -31,6 +31,17 @@ SHIPPED: tuple[Reference, ...] = (
     Reference("npu_moe_token_unpermute_grad", _moe.npu_moe_token_unpermute_grad,
               example=_examples.unpermute_grad, grad_of="npu_moe_token_unpermute",
               source=f"{_DOCS} (derivatives of npu_moe_token_unpermute)"),
+    # the ops later releases route them through (opcontracts.emulation._release)
+    Reference("_npu_moe_token_unpermute", _moe._npu_moe_token_unpermute,
+              example=_examples.internal_unpermute,
+              source=f"{_DOCS} (npu_moe_token_unpermute's kernel; torch_npu 2.13.0 "
+                     "npu_native_functions_by_codegen.yaml)"),
+    Reference("npu_moe_token_unpermute_grad_v2", _moe.npu_moe_token_unpermute_grad_v2,
+              example=_examples.unpermute_grad_v2, grad_of="npu_moe_token_unpermute",
+              source=f"{_DOCS} (torch_npu 2.13.0 Functions.h: NpuMoeTokenUnpermuteBackward0)"),
+    Reference("npu_moe_token_permute_grad_v2", _moe.npu_moe_token_permute_grad_v2,
+              example=_examples.permute_grad_v2, grad_of="npu_moe_token_permute",
+              source=f"{_DOCS} (torch_npu 2.12.0 Functions.h: NpuMoeTokenPermuteBackward0)"),
     Reference("npu_moe_token_permute_with_routing_map",
               _moe.npu_moe_token_permute_with_routing_map,
               backward=_grads.permute_with_routing_map_backward,

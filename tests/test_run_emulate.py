@@ -1,0 +1,62 @@
+"""``opcontracts run --emulate``: an unmodified torch_npu script on the emulated device.
+
+``examples/torch_npu_step.py`` imports torch_npu, moves its model with ``.npu()`` and calls
+``torch_npu.npu_moe_token_(un)permute``; it has no emulation code of its own.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from opcontracts._tools import run as _run
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = "examples/torch_npu_step.py"
+
+
+def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore::opcontracts.ContractWarning"}
+    env.pop("OPCONTRACTS_MODE", None)
+    return subprocess.run([sys.executable, "-m", "opcontracts", "run", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_an_unmodified_torch_npu_script_trains_on_the_emulated_device() -> None:
+    p = _run_cli("--emulate", SCRIPT)
+    assert p.returncode == 0, p.stderr
+    assert "Ascend910B3: loss" in p.stdout and "backward on a worker thread" in p.stdout
+    assert "gradients finite" in p.stdout
+    assert "no contract violations" in p.stderr
+
+
+def test_strict_stops_the_fp32_probs_of_the_unmodified_script() -> None:
+    p = _run_cli("--emulate=incident", "--mode", "strict", SCRIPT, "--fp32-probs")
+    assert p.returncode == 1
+    assert "npu_moe_token_unpermute: argument 'probs' has dtype float32" in p.stderr
+    assert f"call site: {SCRIPT}:" in p.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch_npu") is not None,
+                    reason="a real torch_npu is installed: the script runs on it")
+def test_without_emulate_the_script_cannot_import_torch_npu() -> None:
+    p = _run_cli(SCRIPT)
+    assert p.returncode == 1 and "No module named 'torch_npu'" in p.stderr
+
+
+@pytest.mark.parametrize(("argv", "profile"), [
+    (["--emulate", "s.py"], "narrow"), (["--emulate=wide", "s.py"], "wide"), (["s.py"], None)])
+def test_emulate_takes_an_optional_profile(argv: list[str], profile: str | None) -> None:
+    opts = _run.parse(argv)
+    assert opts.emulate == profile and opts.script == "s.py"
+
+
+def test_an_unknown_profile_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _run.main(["--emulate=narow", "s.py"]) == 2
+    err = capsys.readouterr().err
+    assert "--emulate: unknown profile 'narow'; expected one of narrow, incident, wide" in err
