@@ -240,3 +240,24 @@ def test_derived_rules_follow_a_change_to_the_public_op() -> None:
         warnings.simplefilter("error")
         got = _registry.resolve("_npu_moe_token_unpermute")
     assert got is not None and got.args["probs"].dtype != ("float16",)
+
+
+def test_wheel_verify_fails_when_a_route_has_no_contract() -> None:
+    """Guarding the public name alone misses 2.13's internal op and v2 grads: verify says so."""
+    from opcontracts.spec import load_contracts
+    from opcontracts.wheel import verify
+
+    shipped = load_contracts(_registry.shipped_contracts_dir())
+    d = digest.load()
+    assert not any(r.fails for r in verify.verify(shipped, d, ["2.12.0", "2.13.0"], "*moe_token*"))
+    public_only = [c for c in shipped if c.file is None or "moe_token_internal" not in c.file]
+    results = verify.verify(public_only, d, ["2.12.0", "2.13.0"], "*moe_token*")
+    routes = {r.op: r.groups[0].versions for r in results
+              if any(f.kind == "unguarded-route" for g in r.groups for f in g.findings)}
+    assert routes == {"_npu_moe_token_unpermute": ["2.13.0"],
+                      "npu_moe_token_unpermute_grad_v2": ["2.13.0"],
+                      "npu_moe_token_permute_grad_v2": ["2.12.0", "2.13.0"],
+                      "_npu_moe_token_unpermute_with_routing_map": ["2.12.0", "2.13.0"]}
+    assert all(r.fails for r in results if r.op in routes)
+    text = verify.render(results, 2)
+    assert "rules_of = 'npu_moe_token_unpermute'" in text
