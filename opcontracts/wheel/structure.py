@@ -53,7 +53,8 @@ class Structure:
     and 2.6.0, so no derivative is assumed)"""
     permute_backward: str | None
     routing_map_internal: str | None
-    """``_npu_moe_token_unpermute_with_routing_map`` when the release has it, else None"""
+    """``_npu_moe_token_unpermute_with_routing_map`` when the release has it, else None (recorded;
+    the emulation registers the public routing-map op alone so far)"""
 
     @property
     def internal_ops(self) -> tuple[str, ...]:
@@ -71,7 +72,7 @@ class Structure:
         return {
             "npu_moe_token_permute": present(self.permute_backward),
             "npu_moe_token_unpermute": present(self.unpermute_internal, self.unpermute_backward),
-            "npu_moe_token_unpermute_with_routing_map": present(self.routing_map_internal),
+            # (the routing-map internal op is recorded, not yet emulated nor contracted)
         }
 
     def dispatched(self, op: str) -> str:

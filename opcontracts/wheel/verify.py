@@ -342,10 +342,14 @@ def _check_release(c: Contract, r: Release) -> tuple[list[Row], list[Finding], l
 
 
 def verify(contracts: Sequence[Contract], digest: Digest,
-           versions: Iterable[str] | None = None, op: str | None = None) -> list[ContractResult]:
+           versions: Iterable[str] | None = None, op: str | None = None, *,
+           routes: bool = False) -> list[ContractResult]:
     """Check ``contracts`` against the releases of ``digest`` (or ``versions`` of it); ``op``:
-    only ops matching this glob pattern."""
+    only ops matching this glob pattern; ``routes``: also fail where a release reaches a
+    contracted op's kernel through an op none of ``contracts`` covers (``unguarded-route``:
+    meant for a complete set, such as the shipped packs with a user's contracts)."""
     chosen = digest.versions if versions is None else [digest.release(v).version for v in versions]
+    derived_from = {c.op for c in contracts if c.rules_of}
     contracts = _expanded(contracts)
     results = []
     for c in contracts:
@@ -370,7 +374,10 @@ def verify(contracts: Sequence[Contract], digest: Digest,
                 g = by_key[key] = Group([], r.file_id("docs"), rows, findings, outputs)
                 res.groups.append(g)
             g.versions.append(v)
-    results.extend(_routes(contracts, digest, chosen, op))
+        if not res.groups and c.op in derived_from:
+            results.pop()  # a version of the other op's rules no release of this op has
+    if routes:
+        results.extend(_routes(contracts, digest, chosen, op))
     return results
 
 
