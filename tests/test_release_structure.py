@@ -261,3 +261,29 @@ def test_wheel_verify_fails_when_a_route_has_no_contract() -> None:
     assert all(r.fails for r in results if r.op in routes)
     text = verify.render(results, 2)
     assert "rules_of = 'npu_moe_token_unpermute'" in text
+
+
+@pytest.mark.parametrize("release", ["2.13.0"], indirect=True)
+def test_out_overload_registered_computed_and_checked(release: str) -> None:
+    """torch_npu's npu_fused_infer_attention_score.out (used by its NPU-graph handlers): the
+    emulation registers it, it writes what the default overload returns, and a call through the
+    guarded packet that binds to it (out tensors given) is checked like the default one."""
+    import torch_npu  # type: ignore[import-not-found]
+
+    from opcontracts import reference
+
+    patch.apply()
+    assert "out" in torch.ops.npu.npu_fused_infer_attention_score.overloads()
+    ref = reference.get("npu_fused_infer_attention_score")
+    assert ref is not None and ref.example is not None
+    args, kwargs = ref.example(torch.Generator().manual_seed(0))
+    want = torch_npu.npu_fused_infer_attention_score(*args, **kwargs)
+    outs = {"attention_out": torch.empty(0, dtype=want[0].dtype),
+            "softmax_lse": torch.empty(0, dtype=want[1].dtype)}
+    with opcontracts.mode("strict"):
+        got = torch_npu.npu_fused_infer_attention_score(*args, **kwargs, **outs)
+    assert got[0] is outs["attention_out"] and torch.equal(got[0], want[0])
+    assert torch.equal(got[1], want[1])
+    bad = (args[0].double(), *args[1:])
+    with opcontracts.mode("strict"), pytest.raises(ContractViolation, match="query"):
+        torch_npu.npu_fused_infer_attention_score(*bad, **kwargs, **outs)
