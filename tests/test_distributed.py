@@ -157,7 +157,7 @@ def test_each_rank_writes_its_own_report(two_rank_job: Path) -> None:
     # the backward's grad op got the same fp32 probs, from loss.backward(), on rank 1 only:
     # the same mistake, attached to the forward call's record (one bug, one record)
     assert {r.op for r in rep1.records} == {"npu_moe_token_unpermute"}
-    assert [(n["op"], n["arg"]) for n in rec.nested] == [("npu_moe_token_unpermute_grad", "probs")]
+    assert [(n["op"], n["arg"]) for n in rec.nested] == [("npu_moe_token_unpermute_grad_v2", "probs")]
 
 
 @needs_gloo
@@ -167,7 +167,7 @@ def test_gather_on_rank0_lists_rank1(two_rank_job: Path) -> None:
     assert set(by_op) == {"npu_moe_token_unpermute"}
     assert all(r.ranks == [1] for r in gathered.records)
     assert by_op["npu_moe_token_unpermute"].count == 2
-    assert by_op["npu_moe_token_unpermute"].nested[0]["op"] == "npu_moe_token_unpermute_grad"
+    assert by_op["npu_moe_token_unpermute"].nested[0]["op"] == "npu_moe_token_unpermute_grad_v2"
     assert gathered.total == 2
 
 
@@ -185,16 +185,16 @@ def test_report_merge_names_rank1_alone(two_rank_job: Path, capsys: pytest.Captu
     assert data["ranks"] == [0, 1]
     assert {(r["op"], tuple(r["ranks"])) for r in data["records"]} == {
         ("npu_moe_token_unpermute", (1,))}
-    assert data["records"][0]["nested"][0]["op"] == "npu_moe_token_unpermute_grad"
+    assert data["records"][0]["nested"][0]["op"] == "npu_moe_token_unpermute_grad_v2"
     # the NaN sentinel's findings (run --nan-check) survive the merge: rank 1's fp32 probs
     # make the bf16-only backward kernel overflow; rank 0 only receives the all-reduced inf
     assert "first culprit (rank 1):" in out
-    assert ("first non-finite value: backward, in npu_moe_token_unpermute_grad "
+    assert ("first non-finite value: backward, in npu_moe_token_unpermute_grad_v2 "
             "(in the backward of npu_moe_token_unpermute)") in out
     assert "seen by rank 1 only (not rank 0)" in out
     assert "no NaN/inf from a guarded op on rank 0" in out
     nan = data["nan_sentinel"]
-    assert (nan["first"]["op"], nan["first"]["rank"]) == ("npu_moe_token_unpermute_grad", 1)
+    assert (nan["first"]["op"], nan["first"]["rank"]) == ("npu_moe_token_unpermute_grad_v2", 1)
     assert (nan["seen_by"], nan["clean"]) == ([1], [0])
     assert [(s["rank"], s["first"] is None) for s in nan["per_rank"]] == [(0, True), (1, False)]
     assert nan["calls"] > 0

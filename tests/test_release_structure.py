@@ -207,8 +207,7 @@ def test_internal_contracts_take_the_public_ops_rules() -> None:
 
 
 @pytest.mark.parametrize("op", ["_npu_moe_token_unpermute", "npu_moe_token_unpermute_grad_v2",
-                                "npu_moe_token_permute_grad_v2",
-                                "_npu_moe_token_unpermute_with_routing_map"])
+                                "npu_moe_token_permute_grad_v2"])
 def test_internal_contracts_name_the_releases_that_have_the_op(op: str) -> None:
     d = digest.load()
     with_op = {v for v in d.versions if op in d.release(v).schemas}
@@ -240,3 +239,51 @@ def test_derived_rules_follow_a_change_to_the_public_op() -> None:
         warnings.simplefilter("error")
         got = _registry.resolve("_npu_moe_token_unpermute")
     assert got is not None and got.args["probs"].dtype != ("float16",)
+
+
+def test_wheel_verify_fails_when_a_route_has_no_contract() -> None:
+    """Guarding the public name alone misses 2.13's internal op and v2 grads: verify says so."""
+    from opcontracts.spec import load_contracts
+    from opcontracts.wheel import verify
+
+    shipped = load_contracts(_registry.shipped_contracts_dir())
+    d = digest.load()
+    assert not any(r.fails for r in verify.verify(shipped, d, ["2.12.0", "2.13.0"], "*moe_token*",
+                                                  routes=True))
+    public_only = [c for c in shipped if c.file is None or "moe_token_internal" not in c.file]
+    assert not any(r.fails for r in verify.verify(public_only, d, ["2.13.0"], "*moe_token*"))
+    results = verify.verify(public_only, d, ["2.12.0", "2.13.0"], "*moe_token*", routes=True)
+    routes = {r.op: r.groups[0].versions for r in results
+              if any(f.kind == "unguarded-route" for g in r.groups for f in g.findings)}
+    assert routes == {"_npu_moe_token_unpermute": ["2.13.0"],
+                      "npu_moe_token_unpermute_grad_v2": ["2.13.0"],
+                      "npu_moe_token_permute_grad_v2": ["2.12.0", "2.13.0"]}
+    assert all(r.fails for r in results if r.op in routes)
+    text = verify.render(results, 2)
+    assert "rules_of = 'npu_moe_token_unpermute'" in text
+
+
+@pytest.mark.parametrize("release", ["2.13.0"], indirect=True)
+def test_out_overload_registered_computed_and_checked(release: str) -> None:
+    """torch_npu's npu_fused_infer_attention_score.out (used by its NPU-graph handlers): the
+    emulation registers it, it writes what the default overload returns, and a call through the
+    guarded packet that binds to it (out tensors given) is checked like the default one."""
+    import torch_npu  # type: ignore[import-not-found]
+
+    from opcontracts import reference
+
+    patch.apply()
+    assert "out" in torch.ops.npu.npu_fused_infer_attention_score.overloads()
+    ref = reference.get("npu_fused_infer_attention_score")
+    assert ref is not None and ref.example is not None
+    args, kwargs = ref.example(torch.Generator().manual_seed(0))
+    want = torch_npu.npu_fused_infer_attention_score(*args, **kwargs)
+    outs = {"attention_out": torch.empty(0, dtype=want[0].dtype),
+            "softmax_lse": torch.empty(0, dtype=want[1].dtype)}
+    with opcontracts.mode("strict"):
+        got = torch_npu.npu_fused_infer_attention_score(*args, **kwargs, **outs)
+    assert got[0] is outs["attention_out"] and torch.equal(got[0], want[0])
+    assert torch.equal(got[1], want[1])
+    bad = (args[0].double(), *args[1:])
+    with opcontracts.mode("strict"), pytest.raises(ContractViolation, match="query"):
+        torch_npu.npu_fused_infer_attention_score(*bad, **kwargs, **outs)

@@ -93,12 +93,12 @@ def test_compare_catches_the_finite_garbage_the_sentinel_misses(tmp_path: Path) 
     assert p.returncode == 1, p.stderr  # the script's own: its grad norm overflows
     err = p.stderr
     assert "NaN sentinel: no guarded op produced NaN or inf" in err  # finite garbage
-    assert "divergence from the reference: backward, in npu_moe_token_unpermute_grad" in err
+    assert "divergence from the reference: backward, in npu_moe_token_unpermute_grad_v2" in err
     assert "call site:  examples/moe_step.py:" in err
     assert "checked 0 of 6 guarded call(s)" in err and "skipped by mode off: 6 call(s)" in err
     data = json.loads(report.read_text())
     cmp = data["shadow_compare"]
-    assert cmp["first"]["op"] == "npu_moe_token_unpermute_grad" and cmp["checked"] == 6
+    assert cmp["first"]["op"] == "npu_moe_token_unpermute_grad_v2" and cmp["checked"] == 6
     assert cmp["first"]["backward_of"] == "npu_moe_token_unpermute"
     assert data["checked"]["skipped"] == 6 and data["nan_sentinel"]["first"] is None
 

@@ -330,7 +330,8 @@ class Patcher:
             # kept pending too (a module may still set it later), but listed as not found
             return f"{_owner_name(owner)} has no attribute {attr!r}"
         if isinstance(current, torch._ops.OpOverloadPacket) and reached_from_cpp(op):
-            return self._guard_kernel(target, op, current)
+            self._guard_kernel(target, op, current)
+            return None
         if id(current) in self.guard_ids:
             # already ours: rebound earlier, or copied from a patched object (torch_npu's
             # stand-in module copies torch.ops.npu attributes when it is imported after the
@@ -366,12 +367,11 @@ class Patcher:
         its packet and the attributes holding it stay as they are."""
         qualified = packet._qualified_op_name
         if self.kernels.installed(qualified):
-            return None
+            return
         guard = self._guard_for(self.kernels.below(packet.default), op, params_from=packet.default)
         slot = self.kernels.install(packet, guard)
         self.records.append(PatchRecord(target, op, "kernel", SLOTS, slot, _MISSING, qualified))
         self.guard_ids.add(id(guard))
-        return None
 
     def _guard_for(self, original: Any, op: str, params_from: Any = None,
                    drop_first: bool = False) -> Callable[..., Any]:

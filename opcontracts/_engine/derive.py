@@ -22,7 +22,7 @@ Chains are not followed (a ``rules_of`` contract of ``X`` is not taken).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ..spec import Arg, Contract, When
@@ -38,7 +38,7 @@ def intersect(a: When | None, b: When | None) -> When | None:
 
     if a is None or b is None:
         return a if b is None else b
-    fields: dict[str, object] = {}
+    fields: dict[str, Any] = {}
     for name in _VERSIONED:
         x, y = getattr(a, name), getattr(b, name)
         if x is None or y is None:
@@ -53,7 +53,7 @@ def intersect(a: When | None, b: When | None) -> When | None:
 
 
 def _kept(arg: Arg, names: set[str]) -> Arg:
-    update: dict[str, object] = {}
+    update: dict[str, Any] = {}
     for field in ("same_dtype_as", "same_shape_as"):
         if getattr(arg, field) is not None and getattr(arg, field) not in names:
             update[field] = None

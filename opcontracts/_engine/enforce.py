@@ -69,7 +69,12 @@ def params_of(fn: Any, contract: Any = None) -> list[Param] | None:
         ov = getattr(fn, "default", None) if "default" in names else (
             getattr(fn, names[0]) if names else None)
         if ov is not None:
-            return _schema_params(ov._schema)
+            params = _schema_params(ov._schema)
+            if "out" in names and ov is not fn.out:  # a call with the out tensors binds too
+                have = {p.name for p in params}
+                params += [Param(a.name, "KEYWORD_ONLY", None, True)
+                           for a in fn.out._schema.arguments if a.name not in have]
+            return params
     elif isinstance(fn, torch._ops.OpOverload):
         return _schema_params(fn._schema)
     else:

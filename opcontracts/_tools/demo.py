@@ -237,7 +237,10 @@ def _environment() -> Iterator[types.ModuleType]:
     previous = emulation.current_profile()
     patch_mod = sys.modules.get("opcontracts.patch")
     was_patched = patch_mod is not None and patch_mod.is_applied()
-    emulation.install(PROFILE)
+    # MindSpeed's DeepSeek-V3 line (2.0.0_core_r0.8.0), where the incident happened: its unpermute
+    # has no dtype check, so the fp32 probs reach the bf16-only kernel silently (MindSpeed master
+    # TORCH_CHECKs bf16 and would have raised at the call)
+    emulation.install(PROFILE, mindspeed_line="core_r0.8.0")
     import opcontracts.patch as patch  # applied on first import, as in a training script
 
     patch.apply()  # wraps the ops the install just registered

@@ -12,6 +12,11 @@ the NPU kernels do. Profiles: ``"narrow"`` (default), ``"incident"``, ``"wide"``
 ``PROFILES``.  ``install(device=True)`` also emulates the ``npu`` device (``_device``): npu
 tensors over CPU memory, ``torch.npu``, backward on the engine's worker thread as on an NPU.
 
+``install(profile, version="2.13.0")`` reproduces that torch_npu release's structure (which MoE
+token ops are autograd-only over an internal ``_npu_*`` op, which grad ops their C++ backward
+nodes call: ``structure(version)``), calls backward kernels through captured ``OpOverload``s
+as the C++ nodes do, and registers no autograd kernel where torch_npu has no derivative.
+
 Typical use::
 
     from opcontracts import emulation

@@ -88,14 +88,13 @@ def swiglu_backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[st
 def moe_token_backwards(structure: Structure) -> dict[str, Any]:
     """The permute / unpermute formulas of ``structure``'s release, by the op carrying the
     derivative (the internal op where the public unpermute is autograd-only: ``_nodes``)."""
-    table: dict[str, Any] = {
-        "npu_moe_token_permute": permute_backward_v2
-        if structure.permute_backward.endswith("_v2") else permute_backward,
-    }
-    if structure.unpermute_internal is None:
-        table["npu_moe_token_unpermute"] = unpermute_backward
-    else:
+    permute = {None: None, "npu_moe_token_permute_grad": permute_backward,
+               "npu_moe_token_permute_grad_v2": permute_backward_v2}
+    table: dict[str, Any] = {"npu_moe_token_permute": permute[structure.permute_backward]}
+    if structure.unpermute_internal is not None:
         table[structure.unpermute_internal] = internal_unpermute_backward
+    else:  # no grad op in the release (2.5.1.post1, 2.6.0): no derivative
+        table["npu_moe_token_unpermute"] = unpermute_backward if structure.unpermute_backward else None
     return table
 
 

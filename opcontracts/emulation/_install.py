@@ -9,7 +9,7 @@ import threading
 from torch.library import Library
 
 from . import _device, _ops, _profiles
-from ._standins import MODULE_NAMES, StandinFinder, is_standin
+from ._standins import MODULE_NAMES, StandinFinder, is_standin, set_line
 
 __all__ = ["current_profile", "install", "installed", "installed_release", "uninstall"]
 
@@ -43,6 +43,7 @@ def install(
     version: str = DEFAULT_TORCH_NPU_VERSION,
     mindspeed_version: str = DEFAULT_MINDSPEED_VERSION,
     device: bool | str = False,
+    mindspeed_line: str = "core_r0.8.0",
 ) -> None:
     """Register the emulated ``torch.ops.npu`` ops and the stand-in modules.
 
@@ -50,7 +51,11 @@ def install(
     the torch_npu release to emulate: its structure (``_release``: which MoE token ops are
     autograd-only over an internal ``_npu_*`` op, which grad ops their backward calls, with the
     release's schemas) and the version the stand-in reports; a release the wheel digest does
-    not know is a ValueError naming the known ones. Installing again switches the profile (and
+    not know is a ValueError naming the known ones. ``mindspeed_line`` is the MindSpeed line the
+    stand-ins behave as (``_standins.MINDSPEED_LINES``): ``"master"`` runs MindSpeed's own bf16
+    ``TORCH_CHECK``s in unpermute / permute (a RuntimeError, as MindSpeed raises);
+    ``"core_r0.8.0"`` (the DeepSeek-V3 line, default) has none, so a wrong dtype reaches the
+    kernel. Installing again switches the profile (and
     the reported versions); a different ``version`` registers the ops anew (references to op
     packets taken before go stale). When ``opcontracts.patch`` is
     applied, the new ops are guarded at once (the patch is applied again). Raises RuntimeError when a
@@ -64,6 +69,7 @@ def install(
     """
     global _lib, _finder, _release
     _check_release(version)
+    set_line(mindspeed_line)
     if _lib is not None and _release != version:
         if not device and _device.installed():
             device = _device.reported_soc()  # the device stays, with the SoC it reports
@@ -145,6 +151,7 @@ def _drop() -> None:
         if _lib is not None:
             _ops.deregister(_lib)
         _profiles.deactivate()
+        set_line("core_r0.8.0")
         _lib, _finder, _release = None, None, None
 
 

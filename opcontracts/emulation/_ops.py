@@ -269,6 +269,43 @@ def _register_op(lib: Library, op: OpDef, backward: BackwardFn | None, public_on
         lib.impl(op.name, make_autograd_kernel(overload, backward), "Autograd", with_keyset=True)
     if op.name in EXTRA_OVERLOADS:
         _register_overload(lib, op, *EXTRA_OVERLOADS[op.name], backward=backward)
+    if _out_schema(op.name) is not None:
+        _register_out(lib, op)
+
+
+def _out_schema(name: str) -> Any:
+    """The ``.out`` overload of ``name`` in the emulated release's schemas, or None."""
+    from ..wheel import digest
+
+    return next((ov for ov in digest.op_schemas(DIGEST_RELEASE).get(name, ())
+                 if ov.overload == "out"), None)
+
+
+def _register_out(lib: Library, op: OpDef) -> None:
+    """``name.out`` as torch_npu defines it (torch_npu's NPU-graph handlers call it): the
+    default overload's kernel (and fake), its outputs written into the ``(a!)`` tensors, which
+    it returns; arguments the default overload lacks (``workspace``) are ignored."""
+    out = _out_schema(op.name)
+    lib.define(out.func)
+    parsed = torch._C.parse_schema(f"{NAMESPACE}::{out.func}")
+    written = [a.name for a in parsed.arguments if a.alias_info is not None and a.alias_info.is_write]
+    default = {a.name for a in torch._C.parse_schema(f"{NAMESPACE}::{op.schema}").arguments}
+
+    def writing(fn: Callable[..., Any], fake: bool) -> Callable[..., Any]:
+        def entry(*args: Any, **kwargs: Any) -> Any:
+            targets = [kwargs.pop(n) for n in written]
+            results = fn(*args, **{k: v for k, v in kwargs.items() if k in default})
+            for t, r in zip(targets, results, strict=True):
+                if not fake:
+                    t.resize_(r.shape).copy_(r)
+            return tuple(targets)
+
+        return entry
+
+    lib.impl(f"{op.name}.out", writing(_opaque(_through(_raw.kernel_view, op.name, op.kernel)), False),
+             "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{NAMESPACE}::{op.name}.out",
+                                writing(_through(_raw.fake_view, op.name, op.fake), True), lib=lib)
 
 
 def _register_overload(lib: Library, op: OpDef, overload: str, names: tuple[str, ...],

@@ -1,44 +1,18 @@
-"""The structure of one torch_npu release's MoE token ops, read from the wheel digest.
-
-torch_npu changed how ``npu_moe_token_(un)permute`` reach their kernels between releases
-(``torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml`` and the saved fields of the
-generated ``Npu*Backward0`` nodes in ``torch_npu/include/torch_npu/csrc/aten/Functions.h``,
-read from the 2.7.1, 2.12.0 and 2.13.0 wheels):
-
-========================  =====================================  ==================================
-release has (digest)      forward                                backward op the C++ node calls
-========================  =====================================  ==================================
-``_npu_moe_token_         public op is ``AutogradPrivateUse1``   ``npu_moe_token_unpermute_grad_v2``
-unpermute``               only, calling ``_npu_moe_token_        (``permuted_tokens_size_0``,
-(2.7.1.post11, 2.9.0.     unpermute`` (which also returns        ``permuted_tokens_dtype``, and the
-post9, 2.10.0.post7,      ``permuted_tokens_for_backward``)      saved ``permuted_tokens_for_
-2.11.0.post3, 2.12.0.                                            backward``)
-post3, 2.13, 2.14)
-otherwise                 plain op (kernel at the backend)       ``npu_moe_token_unpermute_grad``
-``npu_moe_token_permute_  plain op                               ``npu_moe_token_permute_grad_v2``
-grad_v2`` (from 2.7.1.                                           (``tokens_size_0``, ``tokens_dtype``,
-post8; 2.12.0 included)                                          ``num_topK``)
-otherwise                 plain op                               ``npu_moe_token_permute_grad``
-``_npu_moe_token_         ``..._with_routing_map`` is            (routing-map grads: the formula,
-unpermute_with_routing_   ``AutogradPrivateUse1`` only, calling  see ``_backward``)
-map`` (from 2.6.0.post3)  the internal op
-========================  =====================================  ==================================
-
-The presence of the internal / ``_grad_v2`` op in a release's schemas is what tells the
-structures apart: in every release the digest holds, ``_npu_moe_token_unpermute`` and
-``npu_moe_token_unpermute_grad_v2`` appear together, and each wheel read (2.7.1: neither;
-2.12.0: permute v2 only; 2.13.0: both) has exactly the structure its schemas predict.
-``npu_grouped_matmul``, ``npu_all_gather_base_mm``, ``npu_alltoallv_gmm`` and
-``npu_gmm_alltoallv`` have no derivative in any release (no ``derivatives.yaml`` entry in any
-op-plugin branch): ``NO_DERIVATIVE``.
-"""
+"""The torch_npu release the emulation reproduces: its structure (``opcontracts.wheel.structure``,
+from the wheel digest) and the emulation's facts about the ops that differ by release."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cache
+from ..wheel.structure import Structure, structure
 
 __all__ = ["NO_DERIVATIVE_OPS", "SAME_KERNEL", "Structure", "structure"]
+
+NO_DERIVATIVE_OPS = frozenset({
+    "npu_grouped_matmul", "npu_all_gather_base_mm", "npu_alltoallv_gmm", "npu_gmm_alltoallv",
+})
+"""Ops torch_npu registers no derivative for (no op-plugin ``derivatives.yaml`` entry in any
+branch, no ``VariableType`` kernel in ``libtorch_npu.so``): the emulation registers no autograd
+kernel for them, so torch's autograd fallback warns and sends no gradient, as on the NPU."""
 
 SAME_KERNEL = {
     "_npu_moe_token_unpermute": "npu_moe_token_unpermute",
@@ -48,56 +22,3 @@ SAME_KERNEL = {
 """The ops only some releases define, and the op whose aclnn kernel (and dtype profile) they
 run: the same kernel under another name, with the row count and dtype of a forward tensor given
 instead of the tensor (``_grad_v2``)."""
-
-NO_DERIVATIVE_OPS = frozenset({
-    "npu_grouped_matmul", "npu_all_gather_base_mm", "npu_alltoallv_gmm", "npu_gmm_alltoallv",
-})
-"""Ops torch_npu registers no derivative for (op-plugin ``derivatives.yaml``, every branch)."""
-
-
-@dataclass(frozen=True)
-class Structure:
-    """How one release reaches the MoE token kernels (see the module docstring)."""
-
-    release: str
-    unpermute_internal: str | None
-    """``_npu_moe_token_unpermute`` when the public op is autograd-only, else None"""
-    unpermute_backward: str
-    permute_backward: str
-    routing_map_internal: str | None
-    """``_npu_moe_token_unpermute_with_routing_map`` when the release has it, else None"""
-
-    @property
-    def internal_ops(self) -> tuple[str, ...]:
-        return tuple(n for n in (self.unpermute_internal, self.routing_map_internal) if n)
-
-    @property
-    def backward_ops(self) -> tuple[str, ...]:
-        return (self.permute_backward, self.unpermute_backward)
-
-    def dispatched(self, op: str) -> str:
-        """The op name a dispatch mode below autograd sees when ``op`` is called."""
-        if op == "npu_moe_token_unpermute" and self.unpermute_internal:
-            return self.unpermute_internal
-        if op == "npu_moe_token_unpermute_with_routing_map" and self.routing_map_internal:
-            return self.routing_map_internal
-        return op
-
-
-@cache
-def structure(release: str) -> Structure:
-    """The structure of ``release`` (a version the digest knows; KeyError naming the known)."""
-    from ..wheel import digest
-
-    schemas = digest.load().release(release).schemas
-    internal = "_npu_moe_token_unpermute" if "_npu_moe_token_unpermute" in schemas else None
-    v2 = internal is not None and "npu_moe_token_unpermute_grad_v2" in schemas
-    rm = "_npu_moe_token_unpermute_with_routing_map"
-    return Structure(
-        release=release,
-        unpermute_internal=internal,
-        unpermute_backward="npu_moe_token_unpermute_grad_v2" if v2 else "npu_moe_token_unpermute_grad",
-        permute_backward=("npu_moe_token_permute_grad_v2" if "npu_moe_token_permute_grad_v2" in schemas
-                          else "npu_moe_token_permute_grad"),
-        routing_map_internal=rm if rm in schemas else None,
-    )

@@ -55,13 +55,60 @@ def _npu() -> Any:
 # unannotated on purpose: ``str(inspect.signature(f))`` must read exactly like the table.
 
 
+MINDSPEED_LINES = ("core_r0.8.0", "master")
+"""MindSpeed lines whose unpermute / permute C++ differ: ``master``'s
+(``mindspeed/ops/csrc/cann/npu_moe_token_(un)permute.cpp``) ``TORCH_CHECK``s bf16 tokens and
+probs and int32 sorted_indices since the op was added (2024-08); the DeepSeek-V3 line
+(``2.0.0_core_r0.8.0``) removed the dtype checks (only ranks are checked) and casts in the
+Megatron wrapper instead, which is where the incident's silent NaN lives."""
+
+_line = {"mindspeed": "core_r0.8.0"}
+
+
+def set_line(line: str) -> None:
+    if line not in MINDSPEED_LINES:
+        raise ValueError(f"mindspeed_line={line!r}: one of {', '.join(MINDSPEED_LINES)}")
+    _line["mindspeed"] = line
+
+
+def _torch_check(ok: bool, *parts: object) -> None:
+    """MindSpeed's ``TORCH_CHECK``: a RuntimeError with its message."""
+    if not ok:
+        raise RuntimeError("".join(str(p) for p in parts))
+
+
+def _scalar(t: torch.Tensor) -> str:  # how c10 prints a ScalarType
+    return {torch.bfloat16: "BFloat16", torch.float16: "Half", torch.float32: "Float",
+            torch.int32: "Int", torch.int64: "Long"}.get(t.dtype, str(t.dtype))
+
+
+def _master_unpermute_checks(permuted_tokens: Any, sorted_indices: Any, probs: Any) -> None:
+    """MindSpeed master ``npu_moe_token_unpermute.cpp``'s forward checks (dtypes), verbatim."""
+    _torch_check(permuted_tokens.dtype == torch.bfloat16, "Input tensor permuted_tokens dtype [",
+                 _scalar(permuted_tokens), "] is invalid, should be bfloat16")
+    _torch_check(sorted_indices.dtype == torch.int32, "Input tensor sorted_indices dtype [",
+                 _scalar(sorted_indices), "] is invalid, should be int32")
+    if probs is not None:
+        _torch_check(probs.dtype == torch.bfloat16, "Input tensor probs dtype [", _scalar(probs),
+                     "] is invalid, should be bfloat16")
+
+
 def npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_mode=False, restore_shape=None):  # type: ignore[no-untyped-def]
-    """MindSpeed's JIT-built unpermute op (emulated by ``torch.ops.npu.npu_moe_token_unpermute``)."""
+    """MindSpeed's JIT-built unpermute op (emulated by ``torch.ops.npu.npu_moe_token_unpermute``);
+    on the ``master`` line with MindSpeed's own dtype checks first."""
+    if _line["mindspeed"] == "master":
+        _master_unpermute_checks(permuted_tokens, sorted_indices, probs)
     return _npu().npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs, padded_mode, restore_shape)
 
 
 def npu_moe_token_permute(tokens, indices, num_out_tokens=None, padded_mode=False):  # type: ignore[no-untyped-def]
-    """MindSpeed's JIT-built permute op (emulated by ``torch.ops.npu.npu_moe_token_permute``)."""
+    """MindSpeed's JIT-built permute op (emulated by ``torch.ops.npu.npu_moe_token_permute``);
+    on the ``master`` line with MindSpeed's own dtype checks first."""
+    if _line["mindspeed"] == "master":
+        _torch_check(tokens.dtype == torch.bfloat16, "Input tensor tokens dtype [",
+                     _scalar(tokens), "] is invalid, should be bfloat16")
+        _torch_check(indices.dtype in (torch.int64, torch.int32), "Input tensor indices dtype [",
+                     _scalar(indices), "] is invalid, should be int64 or int32")
     return _npu().npu_moe_token_permute(tokens, indices, num_out_tokens, padded_mode)
 
 

@@ -72,7 +72,9 @@ def _cmd_verify(ns: argparse.Namespace) -> int:
         if ns.op and not any(fnmatch.fnmatchcase(c.op, ns.op) for c in contracts):
             return _err(f"verify: no contract matches --op {ns.op!r} (of {len(contracts)} "
                         "loaded; `opcontracts list` shows the ops)")
-        results = verify.verify(contracts, d, versions, ns.op)
+        # the shipped packs are a complete set: every route of their ops must be guarded
+        results = verify.verify(contracts, d, versions, ns.op,
+                                routes=not getattr(ns, "no_shipped", False))
     except (OpContractsError, _source.WheelReadError, digest.DigestError, KeyError) as exc:
         return _err(str(exc).strip("'\""))
     n = len(versions) if versions is not None else len(d.versions)

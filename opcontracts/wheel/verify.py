@@ -15,6 +15,12 @@ Per contract and release (releases with byte-identical docs and the same outcome
 * ranks and dtypes against the meta kernel's ``torch._check`` calls (a rank or dtype the contract
   allows and the meta kernel rejects is an error, like (a)); its output dtypes are shown.
 
+Per release, the routes of the contracted MoE token ops (``structure``): where a release reaches
+a contracted op's kernel through another op (2.13's ``_npu_moe_token_unpermute``, the
+``_grad_v2`` backward kernels its C++ nodes call), that op needs a contract covering the release
+(``unguarded-route``, failing): a guard on the public name alone misses it.  Contracts with
+``rules_of`` are verified as the contracts they take (``_engine.derive``).
+
 ``doc_conflict = "why"`` on an argument marks a deliberate disagreement with the doc: (a), (b)
 and (c) on it are reported as marked and do not fail.  Exit status 1 when anything fails: an
 unmarked (a) or (c), a missing op, target or argument, a schema disagreement, a meta-kernel
@@ -42,7 +48,7 @@ __all__ = ["Finding", "Group", "ContractResult", "verify", "version_only", "rend
 
 _PROBES = ("0.1", "1.0", "7.0.0", "8.0rc1", "8.0rc3", "8.0.0", "8.1.0", "9.0", "99.0")
 _FAILING = {"missing-op", "missing-target", "missing-arg", "optional", "list", "order",
-            "kw-only", "a", "c", "meta-rank", "meta-dtype"}
+            "kw-only", "a", "c", "meta-rank", "meta-dtype", "unguarded-route"}
 _SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}
 _EXPRESSIBLE = {"float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16", "int32",
                 "int64", "bool", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2"}
@@ -52,7 +58,7 @@ _EXPRESSIBLE = {"float16", "bfloat16", "float32", "float64", "int8", "uint8", "i
 class Finding:
     kind: str
     """missing-op, missing-target, missing-arg, optional, list, order, kw-only, a, b, c, d,
-    meta-rank, meta-dtype, unchecked, note"""
+    meta-rank, meta-dtype, unguarded-route, unchecked, note"""
     arg: str | None
     text: str
     marked: str | None = None
@@ -336,10 +342,15 @@ def _check_release(c: Contract, r: Release) -> tuple[list[Row], list[Finding], l
 
 
 def verify(contracts: Sequence[Contract], digest: Digest,
-           versions: Iterable[str] | None = None, op: str | None = None) -> list[ContractResult]:
+           versions: Iterable[str] | None = None, op: str | None = None, *,
+           routes: bool = False) -> list[ContractResult]:
     """Check ``contracts`` against the releases of ``digest`` (or ``versions`` of it); ``op``:
-    only ops matching this glob pattern."""
+    only ops matching this glob pattern; ``routes``: also fail where a release reaches a
+    contracted op's kernel through an op none of ``contracts`` covers (``unguarded-route``:
+    meant for a complete set, such as the shipped packs with a user's contracts)."""
     chosen = digest.versions if versions is None else [digest.release(v).version for v in versions]
+    derived_from = {c.op for c in contracts if c.rules_of}
+    contracts = _expanded(contracts)
     results = []
     for c in contracts:
         if op and not fnmatch.fnmatchcase(c.op, op):
@@ -363,7 +374,52 @@ def verify(contracts: Sequence[Contract], digest: Digest,
                 g = by_key[key] = Group([], r.file_id("docs"), rows, findings, outputs)
                 res.groups.append(g)
             g.versions.append(v)
+        if not res.groups and c.op in derived_from:
+            results.pop()  # a version of the other op's rules no release of this op has
+    if routes:
+        results.extend(_routes(contracts, digest, chosen, op))
     return results
+
+
+def _expanded(contracts: Sequence[Contract]) -> list[Contract]:
+    """``contracts`` with each ``rules_of`` one replaced by the contracts it takes."""
+    from .._engine.derive import derive
+
+    out: list[Contract] = []
+    for c in contracts:
+        out.extend(derive(c, [x for x in contracts if x.op == c.rules_of]) if c.rules_of else [c])
+    return out
+
+
+def _routes(contracts: Sequence[Contract], digest: Digest, chosen: Sequence[str],
+            op: str | None) -> list[ContractResult]:
+    """One failing result per op a release reaches a contracted op's kernel through, in the
+    releases no contract of that op covers."""
+    from .structure import structure
+
+    def covered(name: str, env: Env) -> bool:
+        return any(c.op == name and applies(c.when, env) is not False for c in contracts)
+
+    missing: dict[tuple[str, str], list[str]] = {}
+    for v in chosen:
+        r = digest.release(v)
+        env = Env(torch_npu=v, torch=r.torch)
+        for public, reached in structure(v).routes().items():
+            if not covered(public, env):
+                continue
+            for name in reached:
+                if not covered(name, env) and not (op and not fnmatch.fnmatchcase(name, op)):
+                    missing.setdefault((name, public), []).append(v)
+    out = []
+    for (name, public), vs in missing.items():
+        res = ContractResult(name, None, None, "-", False)
+        res.groups.append(Group(vs, None, findings=[Finding(
+            "unguarded-route", None,
+            f"these releases reach {public}'s kernel through {name} (internal op or the backward "
+            f"kernel its C++ node calls), and no contract of {name} covers them: write one "
+            f"(rules_of = {public!r} for the same kernel)")]))
+        out.append(res)
+    return out
 
 
 # --------------------------------------------------------------------------- output
