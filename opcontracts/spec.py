@@ -606,10 +606,12 @@ class Contract(_Frozen):
     def _relations(self) -> Contract:
         problems = _name_problems({"args": self.args, "signature": self.signature})
         out: list[tuple[str | None, str]] = [(p.field, p.message) for p in problems]
+        # a rules_of contract takes the other op's arguments: partners may be any in its signature
+        partners = set(self.args) | (set(self.signature or ()) if self.rules_of else set())
         for name, arg in self.args.items():
             for field in ("same_dtype_as", "same_shape_as"):
                 partner = getattr(arg, field)
-                if partner is not None and partner not in self.args:
+                if partner is not None and partner not in partners:
                     out.append((f"args.{name}.{field}", f"names {partner!r}, which is not an "
                                 f"argument of this contract (arguments: {', '.join(self.args)})"))
                 elif partner == name:

@@ -10,10 +10,11 @@ Two kinds, on purpose:
   the dispatcher sees them (as on an NPU), and the grad kernel's dtype profile applies (the
   incident).  Which grad op, with which arguments, is the release's (``_release``): the
   ``_grad_v2`` ops take the forward tensors' row count and dtype instead of the tensors.
-* The other differentiable ops (routing-map permute/unpermute, rms_norm, rotary_mul) run the
-  composite formula of their reference (``opcontracts.reference``: ``Reference.backward``) on
-  the saved inputs.  (torch_npu has backward kernels for them, ``npu_rms_norm_backward``,
-  ``npu_rotary_mul_backward``, the routing-map ``*_grad`` ops: not emulated as ops yet.)
+  ``npu_rms_norm``'s backward calls ``npu_rms_norm_backward`` the same way.
+* The other differentiable ops (routing-map permute/unpermute, rotary_mul) run the composite
+  formula of their reference (``opcontracts.reference``: ``Reference.backward``) on the saved
+  inputs.  (torch_npu has backward kernels for them, ``npu_rotary_mul_backward``, the
+  routing-map ``*_grad`` ops: not emulated as ops yet.)
 
 Every formula: ``(inputs, outputs, grads) -> {argument name: gradient}`` (see ``_autograd``).
 """
@@ -85,6 +86,14 @@ def swiglu_backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[st
     return {"self": call("npu_swiglu_backward", grads, inputs["self"], inputs["dim"])}
 
 
+def rms_norm_backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[str, Any]:
+    """``NpuRmsNormBackward0`` (saves gamma, self and rstd): ``npu_rms_norm_backward``, the
+    backward kernel with its own dtype profile (rstd's gradient is not used)."""
+    dx, dgamma = call("npu_rms_norm_backward", grads[0], inputs["self"], inputs["gamma"],
+                      outputs[1])
+    return {"self": dx, "gamma": dgamma}
+
+
 def moe_token_backwards(structure: Structure) -> dict[str, Any]:
     """The permute / unpermute formulas of ``structure``'s release, by the op carrying the
     derivative (the internal op where the public unpermute is autograd-only: ``_nodes``)."""
@@ -108,6 +117,7 @@ def _backwards() -> dict[str, Any]:
         if ref is not None and ref.backward is not None and not name.startswith("mindspeed."):
             table[name] = ref.backward
     table["npu_swiglu"] = swiglu_backward  # through its backward kernel, not the formula
+    table["npu_rms_norm"] = rms_norm_backward  # likewise
     return table
 
 

@@ -56,6 +56,11 @@ def _swiglu_backward_fake(grad_output: torch.Tensor, self: torch.Tensor, dim: in
     return self.new_empty(self.shape)
 
 
+def _rms_norm_backward_fake(dy: torch.Tensor, self: torch.Tensor, gamma: torch.Tensor,
+                            rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return self.new_empty(self.shape), gamma.new_empty(gamma.shape)
+
+
 def _halved(x: torch.Tensor, dim: int) -> list[int]:
     shape = list(x.shape)
     shape[dim] = shape[dim] // 2
@@ -183,6 +188,9 @@ OPS: tuple[EmulatedOp, ...] = (
     EmulatedOp("npu_add_rms_norm", fake=_add_rms_norm_fake,
                dtypes={"x1": FLOATS, "x2": FLOATS, "gamma": FLOATS}, backward=NO_DERIVATIVE,
                source="CANN 8.2.RC1 aclnnAddRmsNorm (Atlas A2/A3: FLOAT32, FLOAT16, BFLOAT16)"),
+    EmulatedOp("npu_rms_norm_backward", fake=_rms_norm_backward_fake,
+               dtypes={"dy": FLOATS, "self": FLOATS, "gamma": FLOATS, "rstd": ("fp32",)},
+               source=f"{_DOCS} (npu_rms_norm); torch_npu 2.13.0 Functions.h (NpuRmsNormBackward0)"),
     EmulatedOp("npu_swiglu_backward", fake=_swiglu_backward_fake,
                dtypes={"grad_output": FLOATS, "self": FLOATS},
                source=f"{_DOCS} (npu_swiglu); MindSpeed master docs/zh/ops/swiglu.md (backward)"),

@@ -124,6 +124,12 @@ def rms_norm(gen: torch.Generator) -> Example:
     return (_vals(gen, N, H), _vals(gen, H)), {}
 
 
+def rms_norm_backward(gen: torch.Generator) -> Example:
+    x, gamma = _vals(gen, N, H), _vals(gen, H)
+    rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+    return (_vals(gen, N, H), x, gamma, rstd), {}
+
+
 def swiglu(gen: torch.Generator) -> Example:
     return (_vals(gen, N, 2 * H),), {}
 

@@ -264,20 +264,27 @@ def _k_split_backward(x: torch.Tensor, weight: list[torch.Tensor], group_list: A
 
 def rms_norm_backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[str, Any]:
     x, gamma = inputs["self"], inputs["gamma"]
-    grad_y, grad_rstd = grads
+    grad_y, _ = grads
     _, rstd = outputs
     dims = rms_norm_dims(gamma)
     xf, gf = x.to(_F32), gamma.to(_F32)
-    count = 1
-    for d in dims:
-        count *= x.size(d)
     x_hat = xf * rstd
     gy = grad_y.to(_F32) * gf
     grad_x = rstd * (gy - x_hat * (gy * x_hat).mean(dim=dims, keepdim=True))
-    if grad_rstd is not None:
-        grad_x = grad_x - grad_rstd.to(_F32) * rstd.pow(3) * xf / count
+    # torch_npu's derivative (op-plugin derivatives.yaml, NpuRmsNormBackward0 in Functions.h):
+    # npu_rms_norm_backward(grads[0], self, gamma, result1): a gradient reaching the rstd output
+    # is not used, so none is added here either
     grad_gamma = _reduce_to(grad_y.to(_F32) * x_hat, gamma.shape)
     return {"self": grad_x.to(x.dtype), "gamma": grad_gamma.to(gamma.dtype)}
+
+
+def npu_rms_norm_backward(dy: torch.Tensor, self: torch.Tensor, gamma: torch.Tensor,
+                          rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch_npu's RMSNorm backward kernel (op-plugin ``derivatives.yaml``: ``self, gamma:
+    npu_rms_norm_backward(grads[0], self, gamma, result1)``; rstd's gradient is not used):
+    (dx in self's dtype, dgamma in gamma's)."""
+    got = rms_norm_backward({"self": self, "gamma": gamma}, (None, rstd), (dy, None))
+    return got["self"], got["gamma"]
 
 
 def swiglu_backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[str, Any]:

@@ -25,7 +25,9 @@ def npu_rms_norm(
     xf = self.to(acc)
     rstd = torch.rsqrt(xf.pow(2).mean(dim=dims, keepdim=True) + epsilon)
     y = xf * rstd * gamma.to(acc)
-    return y.to(self.dtype), rstd
+    # rstd is an output for the backward kernel only: torch_npu's derivative ignores a gradient
+    # reaching it (npu_rms_norm_backward(grads[0], self, gamma, result1))
+    return y.to(self.dtype), rstd.detach()
 
 
 def npu_swiglu(self: torch.Tensor, dim: int = -1) -> torch.Tensor:
