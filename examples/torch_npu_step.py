@@ -4,11 +4,13 @@ On an Ascend machine this runs on the NPU.  On a machine without one, run it on 
 emulated torch_npu 2.13 and npu device:
 
     opcontracts run --emulate examples/torch_npu_step.py                 # trains; exit 0
-    opcontracts run --emulate --mode strict examples/torch_npu_step.py --fp32-probs
-                                                                          # stops at the unpermute
+    OPCONTRACTS_TARGETS=cann=8.0.RC3 opcontracts run --emulate --mode strict \
+        examples/torch_npu_step.py --fp32-probs                           # stops at the unpermute
 
-The router's probs reach ``torch_npu.npu_moe_token_unpermute`` in bf16 (the kernel's only
-dtype); ``--fp32-probs`` passes them in fp32, the incident's bug.  The backward runs on the
+The router's probs reach ``torch_npu.npu_moe_token_unpermute`` in bf16; ``--fp32-probs`` passes
+them in fp32, the incident's bug on the incident's stack (CANN 8.0.RC3, whose unpermute kernel
+reads bf16 only; CANN 8.0.0 and later accept fp32, so with CANN unknown the call is a
+conditional verdict: warned, not raised; docs/targets.md).  The backward runs on the
 device's autograd worker thread, as on an NPU (printed).
 """
 

@@ -187,7 +187,8 @@ def test_install_is_idempotent_and_uninstall_removes_the_device() -> None:
 
 class _UnpermuteInBackward(torch.autograd.Function):
     """A backward that calls a captured ``.default`` overload (no Python attribute a patch could
-    guard), as C++ autograd nodes call their kernels; fp32 probs, which the kernel misreads."""
+    guard), as C++ autograd nodes call their kernels; fp64 probs, which no release or CANN
+    accepts (fp32 is a conditional verdict while CANN is unknown)."""
 
     @staticmethod
     def forward(ctx: Any, tokens: torch.Tensor) -> torch.Tensor:
@@ -197,7 +198,7 @@ class _UnpermuteInBackward(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         indices = torch.zeros(grad.shape[0], 1, dtype=torch.int64, device=grad.device)
         permuted, sorted_indices = torch.ops.npu.npu_moe_token_permute.default(grad, indices)
-        probs = torch.ones(grad.shape[0], 1, device=grad.device)  # fp32
+        probs = torch.ones(grad.shape[0], 1, dtype=torch.float64, device=grad.device)
         torch.ops.npu.npu_moe_token_unpermute.default(permuted, sorted_indices, probs)
         return grad
 

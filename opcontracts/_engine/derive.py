@@ -66,7 +66,6 @@ def _kept(arg: Arg, names: set[str]) -> Arg:
 
 def derive(contract: Contract, sources: Iterable[Contract]) -> list[Contract]:
     """The contracts ``contract`` (with ``rules_of``) takes from ``sources`` (its op's)."""
-    from .registry import join_sources
 
     out: list[Contract] = []
     for src in sources:
@@ -86,6 +85,21 @@ def derive(contract: Contract, sources: Iterable[Contract]) -> list[Contract]:
             "op": contract.op, "targets": contract.targets, "args": args, "signature": sig,
             "when": intersect(contract.when, src.when), "cases": cases, "rules_of": None,
             "source": join_sources(contract.source, f"rules of {src.op}: {src.source}"),
-            "doc": contract.doc or src.doc, "file": contract.file,
+            "doc": contract.doc or src.doc,
+            # a user's replacing contract keeps its file: the registry tells it from the
+            # shipped ones by where it comes from, and it stands for them here too
+            "file": src.file if src.replace else contract.file,
         }))
     return out
+
+
+def join_sources(*sources: str | None) -> str | None:
+    """Several sources as one text, each named once: a source that lists several (``a + b;
+    c``) is split into its parts first, so merging merged contracts never repeats a part."""
+    parts: dict[str, None] = {}
+    for s in sources:
+        for chunk in (s or "").split(";"):
+            for p in chunk.split(" + "):
+                if p.strip():
+                    parts[p.strip()] = None
+    return "; ".join(parts) or None

@@ -202,9 +202,11 @@ def resolve_readings(op: str, candidates: Sequence[Contract], stacks: Sequence[E
     readings: list[Reading] = []
     unknown_all: set[str] = set()
     for si, env in enumerate(stacks):
-        verdicts = [(c, _versions.applies(c.when, env)) for c in candidates]
+        cands = list(candidates)
+        verdicts = [(c, _versions.applies(c.when, env)) for c in cands]
         if any(c.replace and not is_shipped(c) and ok is not False for c, ok in verdicts):
             verdicts = [(c, ok) for c, ok in verdicts if not is_shipped(c)]
+            cands = [c for c, _ in verdicts]
         sure = [c for c, ok in verdicts if ok is True]
         maybe = [c for c, ok in verdicts if ok is None]
         if not maybe:
@@ -230,7 +232,7 @@ def resolve_readings(op: str, candidates: Sequence[Contract], stacks: Sequence[E
         seen: dict[tuple[int, ...], None] = {}
         for combo in combos:
             probe = replace(env, **combo)
-            app = tuple(i for i, c in enumerate(candidates)
+            app = tuple(i for i, c in enumerate(cands)
                         if _versions.applies(c.when, probe) is not False)
             if app:
                 seen.setdefault(app, None)
@@ -238,7 +240,7 @@ def resolve_readings(op: str, candidates: Sequence[Contract], stacks: Sequence[E
         # a reading that another contains is kept: its rules differ (fewer hold there)
         unknown_all |= set(names)
         for app in found:
-            items = [candidates[i] for i in app]
+            items = [cands[i] for i in app]
             others = [c for c in maybe if all(c is not x for x in items)]
             label = _label([c for c in items if any(c is m for m in maybe)], others, set(names))
             readings.append(Reading(si, tuple(items), label,

@@ -19,6 +19,7 @@ from .._lang import targets as _targets
 from .._lang import versions
 from ..errors import ContractFileError, OpContractsError
 from . import contract_index
+from .derive import join_sources
 
 if TYPE_CHECKING:  # pydantic is imported when contracts are first validated, not at import
     from ..spec import Arg, Contract
@@ -374,18 +375,6 @@ def _unique_cases(groups: Iterable[tuple[Any, ...]]) -> tuple[Any, ...]:
     for cases in groups:
         out.extend(c for c in cases if c not in out)  # models compare by value, not by hash
     return tuple(out)
-
-
-def join_sources(*sources: str | None) -> str | None:
-    """Several sources as one text, each named once: a source that lists several (``a + b;
-    c``) is split into its parts first, so merging merged contracts never repeats a part."""
-    parts: dict[str, None] = {}
-    for s in sources:
-        for chunk in (s or "").split(";"):
-            for p in chunk.split(" + "):
-                if p.strip():
-                    parts[p.strip()] = None
-    return "; ".join(parts) or None
 
 
 def merge_contracts(items: list[Contract]) -> Contract:

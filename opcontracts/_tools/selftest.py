@@ -10,12 +10,12 @@ soc            the SoC is detected from ``torch_npu.npu.get_device_name()`` and 
 packets        after ``opcontracts.patch``: ``torch_npu.X is torch.ops.npu.X`` and
                ``torch.ops.npu.X`` is still an ``OpOverloadPacket`` (inductor's
                ``register_lowering`` and ``register_fake`` need one)
-strict         strict mode stops fp32 ``probs`` to ``torch_npu.npu_moe_token_unpermute``
+strict         strict mode stops float64 ``probs`` (wrong on every release and CANN) to ``torch_npu.npu_moe_token_unpermute``
 mindspeed      the same through ``mindspeed.ops.npu_moe_token_unpermute`` (skipped without
                MindSpeed)
 dispatched     the ``npu::`` op names a forward and a backward of the unpermute really dispatch
                (a logging ``TorchDispatchMode``): what contracts must name to see them
-backward-mode  ``with opcontracts.mode("strict")`` around ``loss.backward()`` reaches a check
+backward-mode  ``with _modes.mode("strict")`` around ``loss.backward()`` reaches a check
                made on the device's autograd worker thread
 torchair       a ``torch.compile`` through torchair's NPU backend of a guarded call (skipped
                without torchair)
@@ -155,20 +155,23 @@ def check_packets(stack: Stack) -> Result:
 
 
 def _strict_stops(name: str, call: Callable[[], Any]) -> Result:
-    import opcontracts
+    from .._lang import modes as _modes
+    from ..errors import ContractViolation
 
     try:
-        with opcontracts.mode("strict"):
+        with _modes.mode("strict"):
             call()
-    except opcontracts.ContractViolation as exc:
+    except ContractViolation as exc:
         return Result(name, PASS, f"stopped: {str(exc).splitlines()[0]}")
-    return Result(name, FAIL, "fp32 probs went through in strict mode")
+    return Result(name, FAIL, "a call its contract rejects went through in strict mode")
 
 
 def check_strict(stack: Stack) -> Result:
     import torch
 
-    permuted, sorted_indices, probs = _moe_inputs(stack, torch.float32)
+    # float64 probs: wrong on every release and CANN (fp32 is wrong only on CANN < 8.0.0, a
+    # conditional verdict where CANN is unknown), so the check means the same on every stack
+    permuted, sorted_indices, probs = _moe_inputs(stack, torch.float64)
     return _strict_stops("strict", lambda: stack.torch_npu.npu_moe_token_unpermute(
         permuted, sorted_indices, probs))
 
@@ -214,7 +217,8 @@ def check_dispatched(stack: Stack) -> Result:
 def check_backward_mode(stack: Stack) -> Result:
     import torch
 
-    import opcontracts
+    from .._lang import modes as _modes
+    from ..errors import ContractViolation
 
     threads: list[int] = []
 
@@ -229,14 +233,14 @@ def check_backward_mode(stack: Stack) -> Result:
             stack.torch_npu.npu_moe_token_unpermute(permuted, sorted_indices, probs)
             return grad
 
-    permuted, sorted_indices, probs = _moe_inputs(stack, torch.float32)
+    permuted, sorted_indices, probs = _moe_inputs(stack, torch.float64)  # wrong everywhere
     x = torch.randn(4, device=stack.device, requires_grad=True)
     loss = UnpermuteInBackward.apply(x).sum()
     where = ""
     try:
-        with opcontracts.mode("strict"):
+        with _modes.mode("strict"):
             loss.backward()
-    except opcontracts.ContractViolation:
+    except ContractViolation:
         where = "on the autograd worker thread" if threads and threads[0] != \
             threading.get_ident() else "on the caller's thread"
         return Result("backward-mode", PASS, f"strict around loss.backward() stopped a call "
