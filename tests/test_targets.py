@@ -73,6 +73,7 @@ def test_conditional_call_warns_in_strict_instead_of_raising(op: Any) -> None:
 def test_the_end_of_run_summary_names_conditional_calls(op: Any) -> None:
     from opcontracts._engine import conditional
 
+    conditional.reset()  # earlier tests' conditional calls are the session's too
     with opcontracts.mode("strict"):
         _conditional(op, X, I32)
     [line] = conditional.summary()
