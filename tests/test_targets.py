@@ -70,10 +70,12 @@ def test_conditional_call_warns_in_strict_instead_of_raising(op: Any) -> None:
         assert "readings:  cann unknown: rejected on each of the 2 readings" in str(err.value)
 
 
-def test_the_end_of_run_summary_names_conditional_calls(op: Any) -> None:
+def test_the_end_of_run_summary_names_conditional_calls(op: Any,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     from opcontracts._engine import conditional
 
-    conditional.reset()  # earlier tests' conditional calls are the session's too
+    # the summary covers the whole session (reset() keeps it): start this test's from nothing
+    monkeypatch.setattr(conditional, "_seen", {})
     with opcontracts.mode("strict"):
         _conditional(op, X, I32)
     [line] = conditional.summary()
