@@ -433,7 +433,7 @@ def _intro(seed: int, where: str) -> list[str]:
         "opcontracts demo: the first-step NaN of the incident (MoE training on NPUs: fp32 "
         "router probs handed to MindSpeed's bf16-only fused unpermute)",
         f"emulation: profile '{PROFILE}' of the CPU emulation of the NPU kernels: {PROFILE_WHY}",
-        f"model: {MODEL_FILE} (opcontracts/{MODEL_SOURCE.name}, run as user code): 3 blocks of "
+        f"model: {MODEL_FILE} (opcontracts/_tools/{MODEL_SOURCE.name}, run as user code): 3 blocks of "
         f"attention + MoE (4 experts, top-2), bf16 weights, fp32 router; batch {BATCH}x{SEQ} "
         f"tokens, seed {seed}; its MindSpeed fused permute/unpermute calls are guarded by "
         "`import opcontracts.patch` and the shipped contracts",
