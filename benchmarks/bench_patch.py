@@ -15,6 +15,7 @@ CPU tensors measured in the same run (the machines are noisy: read the ratios):
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -30,15 +31,42 @@ def median_ns(fn: Callable[[], Any], number: int, repeat: int) -> float:
     return statistics.median(timeit.repeat(fn, number=number, repeat=repeat)) / number * 1e9
 
 
-def import_times(runs: int) -> tuple[float, float]:
+def import_times(runs: int, *, bytecode: bool = True) -> tuple[float, float]:
+    """``import torch`` and ``import opcontracts.patch`` on top of it, fresh interpreters, median
+    of ``runs`` (interleaved).
+
+    ``bytecode=True`` measures the package as it is installed: pip byte-compiles a wheel's
+    modules at install time, so they are compiled here first (``compileall``, into the package's
+    ``__pycache__``, what an import would write).  ``bytecode=False`` measures them compiled from
+    source at each import, as where ``PYTHONDONTWRITEBYTECODE`` is set and nothing was compiled
+    before (torch itself is read from its bytecode either way; the few standard-library modules
+    the package adds to torch's are compiled from source too)."""
+    import tempfile
+    from pathlib import Path
+
+    import opcontracts
+
+    pkg = Path(opcontracts.__file__).parent
+    env = dict(os.environ)
+    env.pop("PYTHONPYCACHEPREFIX", None)
+    if bytecode:
+        subprocess.run([sys.executable, "-m", "compileall", "-q", str(pkg)], check=True,
+                       capture_output=True, env=env)
+
     def t(code: str) -> float:
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env=env)
         return float(out.stdout.strip())
 
-    base = "import time; t=time.perf_counter(); import torch; "
-    a = [t(base + "print(time.perf_counter()-t)") for _ in range(runs)]
-    b = [t(base + "t2=time.perf_counter(); import opcontracts.patch; print(time.perf_counter()-t2)")
-         for _ in range(runs)]
+    with tempfile.TemporaryDirectory() as empty:
+        # after torch: no bytecode found for what is imported next, and none written
+        no_pyc = "" if bytecode else f"import sys; sys.dont_write_bytecode = True; sys.pycache_prefix = {empty!r}; "
+        base = "import time; t=time.perf_counter(); import torch; "
+        a, b = [], []
+        for _ in range(runs):
+            a.append(t(base + "print(time.perf_counter()-t)"))
+            b.append(t(base + no_pyc + "t2=time.perf_counter(); import opcontracts.patch; "
+                       "print(time.perf_counter()-t2)"))
     return statistics.median(a), statistics.median(b)
 
 
