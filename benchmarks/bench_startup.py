@@ -3,10 +3,11 @@
     python benchmarks/bench_startup.py [--quick] [--modules 8000]
 
 * ``import torch`` and ``import opcontracts.patch`` on top of it, fresh interpreters, median of
-  runs (``bench_patch.import_times``), byte-compiled as pip installs it and compiled from source
-  (``PYTHONDONTWRITEBYTECODE`` on a tree never compiled: how the earlier figures were taken), with the shipped contracts' targets read from the
-  precomputed index (``contracts/index.json``) and, for comparison, from the contract files
-  (the index made stale in a copy of the folder is what the files cost);
+  runs (``bench_patch.import_times``), byte-compiled as pip installs it and compiled from
+  source (``PYTHONDONTWRITEBYTECODE`` on a tree never compiled: how the earlier figures were
+  taken), with the shipped contracts' targets read from the precomputed index
+  (``contracts/index.json``) and, for comparison, from the contract files (the index made
+  stale in a copy of the folder is what the files cost);
 * the alias sweeps over a synthetic process of N loaded modules (a real torch_npu + Megatron +
   MindSpeed process holds ~8,000): the patch's rebinding of ``from x import f`` names when it
   guards a target (``_attach.patcher._rebind_aliases``, at patch time and at each guarded import),
