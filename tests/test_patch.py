@@ -187,7 +187,9 @@ def test_torch_ops_packet_keeps_overloads(clean_patch):
         packet = torch.ops.octest.myop
         patch.apply([_contract("t.myop", "torch.ops.octest.myop")])
         guarded = torch.ops.octest.myop
-        assert guarded is not packet and guarded.default is packet.default
+        # guarded in place: the same packet, still an OpOverloadPacket, its overloads intact
+        assert guarded is packet and isinstance(guarded, torch._ops.OpOverloadPacket)
+        assert guarded.default is packet.default and guarded.overloads() == ["default"]
         assert list(inspect.signature(guarded).parameters) == ["x", "factor"]
         with opcontracts.mode("strict"):
             guarded(GOOD)
@@ -195,7 +197,10 @@ def test_torch_ops_packet_keeps_overloads(clean_patch):
                 guarded(BAD)
             guarded.default(BAD)  # a captured overload bypasses Python names
         patch.unpatch()
-        assert torch.ops.octest.myop is packet
+        assert torch.ops.octest.myop is packet and type(packet) is torch._ops.OpOverloadPacket
+        assert "_oc_guard" not in packet.__dict__
+        with opcontracts.mode("strict"):
+            packet(BAD)  # unguarded again
     finally:
         lib._destroy()
 
@@ -385,8 +390,12 @@ def test_unpatch_restores_the_emulated_ops_identically(emulated_patch):
                  ms_mod.npu_moe_token_unpermute)
     for _ in range(3):
         patch.apply()
-        assert torch_npu.npu_moe_token_unpermute is not originals[0]
+        # the packet is guarded in place; MindSpeed's Python function is replaced
+        assert torch_npu.npu_moe_token_unpermute is originals[0]
+        assert type(originals[0]).__name__ == "GuardedPacket"
+        assert ms_mod.npu_moe_token_unpermute is not originals[2]
         patch.unpatch()
+        assert type(originals[0]) is torch._ops.OpOverloadPacket
     assert (torch_npu.npu_moe_token_unpermute, torch.ops.npu.npu_moe_token_unpermute,
             ms_mod.npu_moe_token_unpermute) == originals
     assert torch_npu.npu_moe_token_unpermute is originals[0]
@@ -416,7 +425,8 @@ def test_uninstalling_the_emulation_under_the_patch_leaves_no_stale_record(clean
     try:
         import torch_npu  # noqa: F401
 
-        assert any(r.target.startswith("torch_npu.") for r in patch.patched())
+        assert any(r.target.startswith(("torch_npu.", "torch.ops.npu."))
+                   for r in patch.patched())
     finally:
         emulation.uninstall()
     assert patch.is_applied()

@@ -36,7 +36,7 @@ def test_the_checks_run_on_the_emulation_and_leave_nothing_behind() -> None:
             patch.apply()
     assert list(results) == ["soc", "packets", "strict", "mindspeed", "dispatched",
                              "backward-mode", "torchair"]
-    for name in ("soc", "strict", "mindspeed", "dispatched", "backward-mode"):
+    for name in ("soc", "packets", "strict", "mindspeed", "dispatched", "backward-mode"):
         assert results[name].status == _selftest.PASS, results[name]
     assert "device not initialised by it" in results["soc"].detail
     assert "on the autograd worker thread" in results["backward-mode"].detail

@@ -36,6 +36,7 @@ import torch
 from .._engine import registry
 from .._engine.compile import CompiledContract
 from .._engine.enforce import compiled_for, make_guard, params_of
+from . import packets
 from .kernels import SLOTS, KernelGuards, reached_from_cpp
 
 __all__ = ["Patcher", "PatchRecord"]
@@ -58,6 +59,9 @@ class PatchRecord:
     where: str = ""
 
     def restore(self) -> None:
+        if self.kind == "packet":  # guarded in place: the object stays, its call is undone
+            packets.unguard(self.original)
+            return
         if self.original is _MISSING:
             try:
                 delattr(self.owner, self.attr)
@@ -242,6 +246,8 @@ class Patcher:
     def on_import(self, name: str) -> None:
         with self.lock:
             if self.active:
+                if name == packets.DYNAMO:
+                    packets.register_with_dynamo()
                 self._retry_pending()
 
     # ------------------------------------------------------------------ internals
@@ -269,11 +275,14 @@ class Patcher:
                 watched.add(".".join(parts[:i]))
         if any(t.startswith("torch.ops.") for t in self.pending):
             watched.add("torch_npu")  # importing torch_npu registers the npu ops
+        dynamo = packets.dynamo_pending()
+        if dynamo:
+            watched.add(packets.DYNAMO)  # packets guarded in place: dynamo must know them
         self.watched = frozenset(watched)
-        if self.pending and self.hook is None:
+        if (self.pending or dynamo) and self.hook is None:
             self.hook = _ImportHook(self)
             sys.meta_path.insert(0, self.hook)
-        elif not self.pending and self.hook is not None:
+        elif not (self.pending or dynamo) and self.hook is not None:
             try:
                 sys.meta_path.remove(self.hook)
             except ValueError:
@@ -365,10 +374,17 @@ class Patcher:
             return f"cannot guard {target}: {exc}"
         if kind.startswith("autograd"):
             return None  # the class stays where it is; its apply was guarded in _make
+        if kind == "packet":
+            # the same object everywhere it is bound: no attribute to set, no alias to rebind
+            packets.guard_in_place(current, guard)
+            self.records.append(PatchRecord(target, op, kind, owner, attr, current,
+                                            _owner_name(owner)))
+            self.guard_ids.add(id(guard))
+            return None
         setattr(owner, attr, to_set)
         self.records.append(PatchRecord(target, op, kind, owner, attr, raw, _owner_name(owner)))
         self.guard_ids.add(id(guard))
-        if kind in ("function", "packet"):
+        if kind == "function":
             self.guards[id(orig_callable)] = (orig_callable, guard)
             new_originals[id(orig_callable)] = (orig_callable, guard)
         return None
@@ -443,8 +459,9 @@ class Patcher:
             guard = self._guard_for(raw, op)
             return guard, "method", guard, raw
         if isinstance(current, torch._ops.OpOverloadPacket):
-            guard = self._guard_for(current, op)
-            return guard, "packet", guard, current
+            # guarded in place (``packets``): the guard calls a shadow of the packet
+            guard = self._guard_for(packets.shadow_of(current), op)
+            return guard, "packet", current, current
         if not callable(current):
             raise TypeError(f"{attr} is a {type(current).__name__}, not callable")
         guard = self._guard_for(current, op)

@@ -192,6 +192,10 @@ def make_guard(fn: Callable[..., Any], cc: CompiledContract | None = None, *,
         tries.clear()
         fast, cc = bootstrap, None
 
+    # a guard given its contract keeps it: its key is an int in a cell, which dynamo reads
+    # even where it traces the guard without a source (a guarded packet's polyfill), where a
+    # CompiledContract in a cell cannot be wrapped
+    fixed_key = cc.key if cc is not None else -1
     if cc is not None:
         fast = cc.fast or _fast_from(cc)
         values = _values_switch(cc)
@@ -205,8 +209,7 @@ def make_guard(fn: Callable[..., Any], cc: CompiledContract | None = None, *,
 
             # read only what never changes (a token, a key) or what dynamo should guard on
             # (the registry's generation): a lazy guard's cells change as it builds
-            key = traced.lazy(token, _registry.GENERATION.value) if token >= 0 \
-                else cc.key  # type: ignore[union-attr]
+            key = traced.lazy(token, _registry.GENERATION.value) if token >= 0 else fixed_key
             return traced.call(key, fn, args, kwargs) if key >= 0 else fn(*args, **kwargs)
         s = get()
         if s is None:

@@ -56,6 +56,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from .._attach import packets
 from .._engine.callsite import CallSite, find_call_site
 
 __all__ = [
@@ -559,6 +560,16 @@ class _Layer:
             owner, attr = rec.owner, rec.attr
             raw = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr,
                                                                                    None)
+            if isinstance(raw, packets.GuardedPacket):
+                # guarded in place: the wrapper goes in front of the packet's guard, the
+                # packet stays where it is bound
+                inner = raw.__dict__.get("_oc_guard")
+                if inner is None or id(inner) in self.wrapper_ids:
+                    continue
+                wrapper = self.wrapper_for(inner, rec.op)
+                packets.set_guard(raw, wrapper)
+                self.saved.append((raw, "_oc_guard", inner, wrapper))
+                continue
             fn, rebuild = self._unwrap(raw)
             if fn is None or id(fn) in self.wrapper_ids:
                 continue
