@@ -286,6 +286,46 @@ def test_mrope_rules_and_positions_in_range(npu: Any) -> None:
     assert _rule(exc) == ("positions", "value") and "maxSeqLen" in str(exc)
 
 
+# =========================================================================== rotary_mul backward
+def test_rotary_mul_trains_through_its_backward_kernel(npu: Any) -> None:
+    # NpuRotaryMulBackward0 calls npu_rotary_mul_backward(grad, self, r1, r2, rotary_mode): a
+    # dispatcher-level observer sees that kernel in backward, as on the NPU
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: list[str] = []
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            if func.namespace == "npu":
+                seen.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    x = _vals(1, 4, 2, 8).requires_grad_()
+    r1, r2 = _vals(1, 4, 1, 8, seed=1), _vals(1, 4, 1, 8, seed=2)
+    with opcontracts.mode("strict"):
+        y = npu.npu_rotary_mul(x, r1, r2)
+        with Log():
+            y.float().sum().backward()
+    assert seen == ["npu_rotary_mul_backward.default"]
+    x2 = x.detach().float().requires_grad_()
+    x1a, x1b = x2.chunk(2, -1)
+    (x2 * r1.float() + torch.cat((-x1b, x1a), -1) * r2.float()).sum().backward()
+    torch.testing.assert_close(x.grad.float(), x2.grad, atol=1e-2, rtol=1e-2)
+
+
+def test_rotary_mul_backward_kernel_is_checked_as_its_node_calls_it(npu: Any) -> None:
+    from opcontracts.emulation import _captured
+
+    x, r1, r2 = _vals(1, 4, 2, 8), _vals(1, 4, 1, 8, seed=1), _vals(1, 4, 1, 8, seed=2)
+    with opcontracts.mode("strict"):
+        _captured.call("npu_rotary_mul_backward", _vals(1, 4, 2, 8), x, r1, r2, "half")
+        with pytest.raises(ContractViolation, match="expected the dtype of self") as info:
+            _captured.call("npu_rotary_mul_backward", _vals(1, 4, 2, 8, dtype=FP32), x, r1, r2,
+                           "half")
+    assert info.value.arg == "grad"
+
+
 # =========================================================================== cross entropy
 def test_cross_entropy_loss_forward_and_backward_kernel(npu: Any) -> None:
     """Training's default call (mean, no other argument): the loss and log_prob are

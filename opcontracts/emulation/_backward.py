@@ -10,11 +10,12 @@ Two kinds, on purpose:
   the dispatcher sees them (as on an NPU), and the grad kernel's dtype profile applies (the
   incident).  Which grad op, with which arguments, is the release's (``_release``): the
   ``_grad_v2`` ops take the forward tensors' row count and dtype instead of the tensors.
-  ``npu_rms_norm``'s backward calls ``npu_rms_norm_backward`` the same way.
-* The other differentiable ops (routing-map permute/unpermute, rotary_mul) run the composite
-  formula of their reference (``opcontracts.reference``: ``Reference.backward``) on the saved
-  inputs.  (torch_npu has backward kernels for them, ``npu_rotary_mul_backward``, the
-  routing-map ``*_grad`` ops: not emulated as ops yet.)
+  ``npu_rms_norm``'s backward calls ``npu_rms_norm_backward`` the same way, and
+  ``npu_rotary_mul``'s ``npu_rotary_mul_backward``.
+* The other differentiable ops (routing-map permute/unpermute) run the composite formula of
+  their reference (``opcontracts.reference``: ``Reference.backward``) on the saved inputs.
+  (torch_npu has backward kernels for them, the routing-map ``*_grad`` ops: not emulated as ops
+  yet.)
 
 Every formula: ``(inputs, outputs, grads) -> {argument name: gradient}`` (see ``_autograd``).
 """
@@ -94,6 +95,14 @@ def rms_norm_backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[
     return {"self": dx, "gamma": dgamma}
 
 
+def rotary_mul_backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[str, Any]:
+    """``NpuRotaryMulBackward0`` (saves self, r1, r2): ``npu_rotary_mul_backward(grad, self, r1,
+    r2, rotary_mode)``, the backward kernel with its own dtype profile."""
+    dx, dr1, dr2 = call("npu_rotary_mul_backward", grads, inputs["self"], inputs["r1"],
+                        inputs["r2"], inputs["rotary_mode"])
+    return {"self": dx, "r1": dr1, "r2": dr2}
+
+
 def moe_token_backwards(structure: Structure) -> dict[str, Any]:
     """The permute / unpermute formulas of ``structure``'s release, by the op carrying the
     derivative (the internal op where the public unpermute is autograd-only: ``_nodes``)."""
@@ -118,6 +127,7 @@ def _backwards() -> dict[str, Any]:
             table[name] = ref.backward
     table["npu_swiglu"] = swiglu_backward  # through its backward kernel, not the formula
     table["npu_rms_norm"] = rms_norm_backward  # likewise
+    table["npu_rotary_mul"] = rotary_mul_backward  # likewise
     return table
 
 

@@ -61,6 +61,12 @@ def _rms_norm_backward_fake(dy: torch.Tensor, self: torch.Tensor, gamma: torch.T
     return self.new_empty(self.shape), gamma.new_empty(gamma.shape)
 
 
+def _rotary_mul_backward_fake(grad: torch.Tensor, self: torch.Tensor, r1: torch.Tensor,
+                              r2: torch.Tensor, rotary_mode: str = "half"
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return self.new_empty(self.shape), r1.new_empty(r1.shape), r2.new_empty(r2.shape)
+
+
 def _halved(x: torch.Tensor, dim: int) -> list[int]:
     shape = list(x.shape)
     shape[dim] = shape[dim] // 2
@@ -191,6 +197,10 @@ OPS: tuple[EmulatedOp, ...] = (
     EmulatedOp("npu_rms_norm_backward", fake=_rms_norm_backward_fake,
                dtypes={"dy": FLOATS, "self": FLOATS, "gamma": FLOATS, "rstd": ("fp32",)},
                source=f"{_DOCS} (npu_rms_norm); torch_npu 2.13.0 Functions.h (NpuRmsNormBackward0)"),
+    EmulatedOp("npu_rotary_mul_backward", fake=_rotary_mul_backward_fake,
+               dtypes={"grad": FLOATS, "self": FLOATS, "r1": FLOATS, "r2": FLOATS},
+               source=f"{_DOCS} (npu_rotary_mul); torch_npu Functions.cpp "
+                      "(NpuRotaryMulBackward0)"),
     EmulatedOp("npu_swiglu_backward", fake=_swiglu_backward_fake,
                dtypes={"grad_output": FLOATS, "self": FLOATS},
                source=f"{_DOCS} (npu_swiglu); MindSpeed master docs/zh/ops/swiglu.md (backward)"),

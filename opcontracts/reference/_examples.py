@@ -138,6 +138,11 @@ def rotary_mul(gen: torch.Generator) -> Example:
     return (_vals(gen, 1, 4, 2, H), _vals(gen, 1, 4, 1, H), _vals(gen, 1, 4, 1, H)), {}
 
 
+def rotary_mul_backward(gen: torch.Generator) -> Example:
+    x, r1, r2 = rotary_mul(gen)[0]
+    return (_vals(gen, *x.shape), x, r1, r2), {}
+
+
 def gmm(gen: torch.Generator) -> Example:
     return (_vals(gen, 6, H), _vals(gen, 3, H, 5)), {"group_list": [2, 5, 6]}
 

@@ -32,6 +32,7 @@ __all__ = [
     "permute_with_routing_map_backward",
     "rms_norm_backward",
     "rotary_mul_backward",
+    "npu_rotary_mul_backward",
     "swiglu_backward",
     "unpermute_with_routing_map_backward",
 ]
@@ -285,6 +286,17 @@ def npu_rms_norm_backward(dy: torch.Tensor, self: torch.Tensor, gamma: torch.Ten
     (dx in self's dtype, dgamma in gamma's)."""
     got = rms_norm_backward({"self": self, "gamma": gamma}, (None, rstd), (dy, None))
     return got["self"], got["gamma"]
+
+
+def npu_rotary_mul_backward(grad: torch.Tensor, self: torch.Tensor, r1: torch.Tensor,
+                            r2: torch.Tensor, rotary_mode: str = "half"
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """torch_npu's rotary-mul backward kernel, as ``NpuRotaryMulBackward0`` calls it
+    (``npu_rotary_mul_backward(grad, self, r1, r2, rotary_mode)``): (dx, dr1, dr2), each in its
+    input's dtype and shape."""
+    got = rotary_mul_backward({"self": self, "r1": r1, "r2": r2, "rotary_mode": rotary_mode},
+                              None, grad)
+    return got["self"], got["r1"], got["r2"]
 
 
 def swiglu_backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[str, Any]:

@@ -74,6 +74,11 @@ SHIPPED: tuple[Reference, ...] = (
               example=_examples.rms_norm, source=_DOCS),
     Reference("npu_swiglu", _norm.npu_swiglu, backward=_grads.swiglu_backward,
               example=_examples.swiglu, source=_DOCS),
+    Reference("npu_rotary_mul_backward", _grads.npu_rotary_mul_backward,
+              example=_examples.rotary_mul_backward, grad_of="npu_rotary_mul",
+              source=f"{_DOCS} (npu_rotary_mul); torch_npu Functions.cpp "
+                     "(NpuRotaryMulBackward0: npu_rotary_mul_backward(grad, self, r1, r2, "
+                     "rotary_mode))"),
     Reference("npu_rotary_mul", _norm.npu_rotary_mul, backward=_grads.rotary_mul_backward,
               example=_examples.rotary_mul, source=_DOCS),
     # MindSpeed ops (contract op names mindspeed.<fn>)
