@@ -118,6 +118,48 @@ def test_alias_bound_before_the_patch_is_rebound(pkg, clean_patch):
     assert user.scale is original and ops.scale is original
 
 
+def test_aliases_are_found_whatever_else_a_module_holds(pkg, clean_patch):
+    # the sweep tests each module by hashing its values in C; values that cannot be hashed, or
+    # whose __hash__ raises, send the module to the identity test, and a value merely equal to
+    # an original (same hash, ==) is never rebound
+    import types
+
+    from octest_pkg import ops
+
+    original = ops.scale
+
+    class Raises:
+        def __hash__(self) -> int:
+            raise ValueError("no hash today")
+
+    class LooksLike:
+        def __hash__(self) -> int:
+            return hash(original)
+
+        def __eq__(self, other: object) -> bool:
+            return True
+
+    mods = {}
+    for name, extra in (("unhashable", [1, 2]), ("raising", Raises()), ("lookalike", None)):
+        m = types.ModuleType(f"octest_alias_{name}")
+        m.extra = extra  # type: ignore[attr-defined]
+        m.scale = original  # type: ignore[attr-defined]
+        mods[name] = m
+    impostor = types.ModuleType("octest_alias_impostor")
+    impostor.scale = LooksLike()  # type: ignore[attr-defined]
+    sys.modules.update({m.__name__: m for m in (*mods.values(), impostor)})
+    try:
+        patch.apply([_contract("t.scale", f"{PKG}.ops.scale")])
+        for m in mods.values():
+            assert m.scale is ops.scale is not original, m.__name__
+        assert type(impostor.scale) is LooksLike
+        patch.unpatch()
+        assert all(m.scale is original for m in mods.values())
+    finally:
+        for m in (*mods.values(), impostor):
+            sys.modules.pop(m.__name__, None)
+
+
 def test_module_imported_after_the_patch(pkg, clean_patch):
     assert PKG not in sys.modules
     patch.apply([_contract("t.scale", f"{PKG}.ops.scale")])
