@@ -168,3 +168,29 @@ def test_dynamo_imported_after_the_patch_learns_the_packet() -> None:
                        timeout=300, env=env)
     assert p.returncode == 0, p.stderr
     assert p.stdout.split()[-1] == "True", p.stdout + p.stderr
+
+
+def test_torch_npu_onnx_rebinding_a_name_after_the_patch_is_still_checked(npu: Any) -> None:
+    # `import torch_npu.onnx` rebinds 8 torch_npu names (npu_rms_norm among them) to Python
+    # autograd.Function wrappers calling torch.ops.npu.X: the guarded packet checks their calls,
+    # and unpatch leaves torch_npu's own rebinding alone (it used to set the packet back)
+    class _NPURmsNormOP(torch.autograd.Function):  # the shape of torch_npu/onnx's wrappers
+        @staticmethod
+        def forward(ctx: Any, *args: Any, **kwargs: Any) -> Any:
+            return torch.ops.npu.npu_rms_norm(*args, **kwargs)
+
+    def wrapper(x: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6) -> Any:
+        return _NPURmsNormOP.apply(x, gamma, epsilon)
+
+    packet = npu.npu_rms_norm
+    npu.npu_rms_norm = wrapper
+    try:
+        x = torch.randn(2, 8).bfloat16()
+        with opcontracts.mode("strict"):
+            npu.npu_rms_norm(x, torch.ones(8).bfloat16())
+            with pytest.raises(ContractViolation, match="gamma"):
+                npu.npu_rms_norm(x, torch.ones(8, dtype=torch.int32))
+        patch.unpatch()
+        assert npu.npu_rms_norm is wrapper and type(packet) is Packet
+    finally:
+        npu.npu_rms_norm = packet
