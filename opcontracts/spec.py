@@ -244,6 +244,13 @@ class Arg(_Frozen):
     lt: _Bound | None = None
     allowed: tuple[Any, ...] | None = None
     """for non-tensor arguments: the values that are supported"""
+    dtype_value: StrictBool = False
+    """the argument is a dtype passed as a value (a ``ScalarType``: the ``_grad_v2`` kernels
+    take the forward tensor's dtype instead of the tensor), checked against ``dtype``"""
+    dtype_of: str | None = None
+    """with the contract's ``rules_of``: a dtype passed as a value, checked against the dtype
+    rules the other op's contracts have for the argument named here (``permuted_tokens_dtype``
+    follows ``permuted_tokens``), version by version"""
     values: ValueRule | None = None
     dims: dict[str, DimBound] | None = None
     """bounds on sizes named in this argument's shape: ``dims = {K = {le = 512}}``"""
@@ -370,6 +377,12 @@ class Arg(_Frozen):
                                                   "it makes exceptions for)"))
         if self.dtype_if_present is not None and self.dtype is None:
             problems.append(("dtype_if_present", "needs dtype (the dtypes it adds to)"))
+        if self.dtype_value and self.dtype is None:
+            problems.append(("dtype_value", "needs dtype (the dtypes the value may be)"))
+        if self.dtype_value and (self.shape or self.rank or self.same_dtype_as or self.contiguous
+                                 or self.tensor_list):
+            problems.append(("dtype_value", "a dtype passed as a value has no tensor rules "
+                                            "(shape, rank, same_dtype_as, contiguous, list)"))
         if self.max_len is not None and not self.tensor_list:
             problems.append(("max_len", "applies to a list of tensors: add list = true"))
         if problems:
@@ -384,7 +397,8 @@ class Arg(_Frozen):
     def is_tensor(self) -> bool:
         """Arguments are tensors (or tensor lists) unless they carry only scalar rules
         (``allowed``, ``ge``, ``le``, ``lt``)."""
-        return self.allowed is None and self.ge is None and self.le is None and self.lt is None
+        return self.allowed is None and self.ge is None and self.le is None and self.lt is None \
+            and not self.dtype_value and self.dtype_of is None
 
 
 class When(_Frozen):
@@ -609,6 +623,10 @@ class Contract(_Frozen):
         # a rules_of contract takes the other op's arguments: partners may be any in its signature
         partners = set(self.args) | (set(self.signature or ()) if self.rules_of else set())
         for name, arg in self.args.items():
+            if arg.dtype_of is not None and not self.rules_of:
+                out.append((f"args.{name}.dtype_of", "takes the dtype rules of another op's "
+                            "argument: it needs the contract's rules_of (else: dtype_value = "
+                            "true with dtype)"))
             for field in ("same_dtype_as", "same_shape_as"):
                 partner = getattr(arg, field)
                 if partner is not None and partner not in partners:

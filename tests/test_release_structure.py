@@ -186,6 +186,41 @@ def test_backward_kernel_checked_at_the_dispatcher(release: str) -> None:
     assert (info.value.op, info.value.arg) == ("npu_moe_token_unpermute_grad_v2", "probs")
 
 
+@pytest.mark.parametrize("release", ["2.13.0"], indirect=True)
+def test_v2_grads_check_the_dtype_passed_as_a_value(release: str) -> None:
+    """The _grad_v2 ops take the forward tensor's dtype (a ScalarType) instead of the tensor:
+    it is checked against the dtypes the _grad op allows that tensor, per CANN, as the node
+    calls the kernel."""
+    from opcontracts.emulation import _captured
+
+    patch.apply()
+    grad, probs = torch.randn(4, 8).to(BF16), torch.rand(4, 2).to(BF16)
+    idx = torch.randperm(8).to(torch.int32)
+
+    def unpermute_grad(dtype: torch.dtype) -> None:
+        _captured.call("npu_moe_token_unpermute_grad_v2", grad, idx, 8, dtype, probs, False,
+                       None, None)
+
+    prev = opcontracts.set_versions(cann="7.0.0")  # CANN < 8: bf16 only
+    try:
+        with opcontracts.mode("strict"):
+            unpermute_grad(BF16)
+            with pytest.raises(ContractViolation, match="expected a dtype among bfloat16\n"
+                               ) as info:
+                unpermute_grad(F32)
+            assert (info.value.op, info.value.arg) == ("npu_moe_token_unpermute_grad_v2",
+                                                       "permuted_tokens_dtype")
+            opcontracts.set_versions(cann="8.2.RC1")  # fp16 / bf16 / fp32
+            unpermute_grad(F32)
+            with pytest.raises(ContractViolation, match="permuted_tokens_dtype"):
+                unpermute_grad(torch.int8)
+            with pytest.raises(ContractViolation, match="tokens_dtype"):
+                _captured.call("npu_moe_token_permute_grad_v2", torch.randn(8, 8).to(BF16), idx,
+                               4, torch.int8, 2, False)
+    finally:
+        opcontracts.set_versions(**prev)
+
+
 def test_internal_contracts_take_the_public_ops_rules() -> None:
     """One kernel, one set of rules: _npu_moe_token_unpermute's contracts are the public op's
     (every version of them), not a copy."""
@@ -201,6 +236,13 @@ def test_internal_contracts_take_the_public_ops_rules() -> None:
     v2 = _registry.expanded("npu_moe_token_unpermute_grad_v2")
     assert v2 and all(set(c.args) <= set(c.signature or ()) for c in v2)
     assert all(c.args["permuted_tokens"].optional for c in v2)
+    # its dtype passed as a value takes the _grad op's rules for the tensor it stands for
+    grads = {c.when: c for c in _registry.expanded("npu_moe_token_unpermute_grad")}
+    for c in v2:
+        taken = c.args["permuted_tokens_dtype"]
+        assert taken.dtype_value and not taken.is_tensor and taken.dtype
+    assert {c.args["permuted_tokens_dtype"].dtype for c in v2} == \
+        {g.args["permuted_tokens"].dtype for g in grads.values()}
     permute_v2 = _registry.expanded("npu_moe_token_permute_grad_v2")
     assert all("tokens" not in c.args and c.args["grad_permuted_tokens"].same_dtype_as is None
                for c in permute_v2)

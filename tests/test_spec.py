@@ -74,6 +74,9 @@ MALFORMED = [
     ('[[contract]]\nop = "x"\nwhen = {cann = "newest"}\n[contract.args.a]\ndtype="bf16"\n', "x", "when.cann", "not a version specifier"),
     ('[[contract]]\nop = "x"\n[contract.args.a]\nrank = -1\n', "x", "args.a.rank", "non-negative"),
     ('[[contract]]\nop = "x"\n[contract.args.a]\nshape = ["N K", "A B"]\n', "x", "args.a.shape", "differ in rank"),
+    ('[[contract]]\nop = "x"\n[contract.args.a]\ndtype_value = true\n', "x", "args.a.dtype_value", "needs dtype"),
+    ('[[contract]]\nop = "x"\n[contract.args.a]\ndtype_value = true\ndtype = "bf16"\nshape = "N"\n', "x", "args.a.dtype_value", "no tensor rules"),
+    ('[[contract]]\nop = "x"\n[contract.args.a]\ndtype_of = "t"\n', "x", "args.a.dtype_of", "needs the contract's rules_of"),
 ]
 
 

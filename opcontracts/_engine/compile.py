@@ -453,6 +453,15 @@ class _Gen:
         if not spec.optional and None not in (spec.allowed or ()):
             rid = self.rule(arg, "missing", "a value (this argument is not optional)", spec)
             self.emit(self.base, f"if {v} is None: {self.fail(rid, v)}")
+        if spec.dtype_value and spec.dtype is not None:
+            # a dtype passed as a value: the value itself against the torch dtypes
+            wanted = spec.torch_dtypes or ()
+            rid = self.rule(arg, "allowed", "a dtype among " + ", ".join(
+                str(d).replace("torch.", "") for d in wanted), spec)
+            vals = self.const(tuple(wanted))
+            self.emit(self.base, f"if {present} and {v} not in {vals}: {self.fail(rid, v)}")
+            if default is not MISSING and default not in wanted:
+                self.emit(self.base, f"if {v} is _oc_M: {self.fail_default(rid, default)}")
         if spec.allowed is not None:
             rid = self.rule(arg, "allowed", "one of " + ", ".join(map(repr, spec.allowed)), spec)
             vals = self.const(tuple(spec.allowed))

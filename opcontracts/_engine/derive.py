@@ -12,6 +12,8 @@ one place and follow it when they change (per CANN, per release):
   them (a ``_grad_v2`` op takes row counts and dtypes instead of some tensors), every field
   this contract's ``args`` sets overriding the taken one (``optional = true`` for an argument
   that became optional), partner rules (``same_dtype_as``) naming a dropped argument dropped;
+  an argument with ``dtype_of = "t"`` (a dtype passed as a value, as the ``_grad_v2`` ops take
+  ``permuted_tokens_dtype``) checked against the dtypes the taken contract allows ``t``;
 * ``op``, ``targets``, ``source`` (its own, then ``rules of X: X's source``) and ``doc`` are
   this contract's; everything else (``cases`` on kept arguments, ``same_device``, any field a
   later version adds) is ``X``'s.
@@ -75,6 +77,17 @@ def derive(contract: Contract, sources: Iterable[Contract]) -> list[Contract]:
         names = set(sig) if sig is not None else set(src.args)
         args = {n: _kept(a, names) for n, a in src.args.items() if n in names}
         for n, a in contract.args.items():
+            if a.dtype_of is not None:  # a dtype passed as a value: the named argument's dtypes
+                taken = src.args.get(a.dtype_of)
+                if taken is None or taken.dtype is None:
+                    continue  # this version's rules say nothing of that argument's dtype
+                hint = a.hint or (f"this is the dtype of the forward's {a.dtype_of}: cast that "
+                                  f"tensor to {taken.dtype[0]} before the forward call")
+                args[n] = a.model_copy(update={"dtype": taken.dtype, "dtype_value": True,
+                                               "dtype_of": None, "hint": hint,
+                                               "source": a.source or taken.source,
+                                               "layer": a.layer or taken.layer})
+                continue
             base = args.get(n)
             args[n] = a if base is None else base.model_copy(
                 update={f: getattr(a, f) for f in a.model_fields_set})
