@@ -57,6 +57,7 @@ import torch
 from torch import nn
 
 from .._engine.callsite import CallSite, find_call_site
+from .._engine.sweep import holding
 
 __all__ = [
     "Call",
@@ -488,18 +489,6 @@ def busy() -> Iterator[None]:
 
 
 # --------------------------------------------------------------------------- the layer
-def _module_dicts() -> Iterator[tuple[str, ModuleType, dict[str, Any]]]:
-    """(name, module, namespace) of every loaded module (a snapshot: safe while modules
-    change)."""
-    for name, mod in list(sys.modules.items()):
-        if mod is None or not isinstance(mod, ModuleType):
-            continue
-        try:
-            yield name, mod, vars(mod)
-        except TypeError:  # pragma: no cover
-            continue
-
-
 _is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_dynamo_compiling",
                                             torch.compiler.is_compiling)
 
@@ -594,9 +583,9 @@ class _Layer:
         self.owned_by = None
 
     def _rebind(self, guards: dict[int, tuple[Any, str]]) -> None:
-        for name, mod, d in _module_dicts():
-            if name == __name__:
-                continue
+        # only the modules that hold a guard are walked by name (``_engine.sweep``: one pass
+        # in C per module, the patch's own alias sweep)
+        for _name, mod, d in holding(guards.keys(), skip_prefix=__name__):
             for key, value in list(d.items()):
                 hit = guards.get(id(value))
                 if hit is None or hit[0] is not value:
@@ -614,7 +603,7 @@ class _Layer:
             if cur is new:
                 setattr(owner, attr, old)
         self.saved.clear()
-        for _name, _mod, d in _module_dicts():
+        for _name, _mod, d in holding(self.wrapper_ids.keys()):
             for key, value in list(d.items()):
                 guard = self.wrapper_ids.get(id(value))
                 if guard is not None and self.wrappers.get(id(guard), (None, None))[1] is value:
