@@ -55,8 +55,9 @@ culprit's NaN and inf are then not counted; everything else is named), one read 
 ``opcontracts run --nan-check`` and the FSDP demo run it.
 
 CPU cost when on (``benchmarks/bench_accelerator.py``, ``bench_nan.py``): the checks, the call
-site looked up per call, and with grad enabled one probe node and two node hooks per call;
-global ``nn.Module`` forward hooks track the module path.  Under ``torch.compile`` the
+site kept as code + line per call (its text made at report), the module path read off the
+frames, and with grad enabled one probe node per call and one shared pre-hook per output node
+(``_observers.layer``, ``_Dispatch``).  Under ``torch.compile`` the
 sentinel steps aside (the guard alone runs, no graph break).
 
 Limits: it sees the ops ``opcontracts.patch`` guards, nothing else (a NaN made by a plain torch

@@ -30,9 +30,10 @@ whose inputs require grad):
   op sends to those inputs (not the sum over every consumer of the tensor, which is what a
   ``register_hook`` on the input would see), and the node dies with the graph, so nothing
   accumulates on parameters from step to step (``Observer.grad_inputs``);
-* the ``grad_fn`` nodes of the outputs get a pre-hook (the gradients flowing in, just before
-  the node runs: ``Observer.grad_output``; it also tells a ``*_grad`` op called inside which
-  forward call it belongs to: ``Call.context``) and a post-hook (clears that context again).
+* the ``grad_fn`` nodes of the outputs get one pre-hook, shared by every call (the gradients
+  flowing in, just before the node runs: ``Observer.grad_output``), and an entry in their
+  ``metadata`` naming the call: a ``*_grad`` op called while the node runs finds there which
+  forward call it belongs to (``Call.context``, through ``torch._C._current_autograd_node``).
 
 Under ``torch.compile`` the layer steps aside (the guard alone runs, no graph break).  Modules
 imported after an observer attached are covered through the patch's import hook; objects
