@@ -5,8 +5,8 @@
 Off, the sentinel costs nothing: nothing of it is installed (the guards are the patch's own
 objects again, checked here).  On, per guarded call it leaves each floating tensor argument's
 and output's ``aminmax`` on the device (read once, at the end: ``benchmarks/bench_accelerator.py``
-counts the host reads), looks up the call site, and, with grad enabled, adds a probe node and
-two node hooks; global module hooks track the ``nn.Module`` path.
+counts the host reads), keeps the call site as code + line, reads the ``nn.Module`` path off
+the frames, and, with grad enabled, adds a probe node and one shared pre-hook per output node.
 
 Rows, best-of-N ns per call on small CPU tensors (shared machines are noisy: the best run is
 the least disturbed one):
@@ -14,7 +14,7 @@ the least disturbed one):
 * a patched op (``x * w``, a (64, 64) fp32 tensor) in strict mode, sentinel off / on, without
   and with grad;
 * the forward + backward of three such calls in a row, sentinel off / on;
-* an ``nn.Linear(64, 64)`` module call, sentinel off / on (the global module hooks);
+* an ``nn.Linear(64, 64)`` module call, sentinel off / on (no module hooks any more: ~0 added);
 * the demo's training step (``opcontracts demo``'s unguarded run: 3 MoE layers), off / on.
 """
 

@@ -9,7 +9,10 @@ CPU tensors measured in the same run (the machines are noisy: read the ratios):
   warn and off modes: the patch's overhead is the difference;
 * ``fix`` mode on a call that needs a cast, against the same call with the cast written by hand;
 * the dispatcher-level mode (``ContractDispatchMode``) on an unrelated aten op;
-* ``import opcontracts.patch`` on top of ``import torch`` (fresh interpreters, median of runs).
+* ``import opcontracts.patch`` on top of ``import torch`` (fresh interpreters, median of runs);
+* with ``--sweeps``: the module sweeps over a process of ~9,150 loaded modules (synthetic ones of
+  60 names each added to the real ones): the observer layer's (attach: guards rebound to its
+  wrappers; detach: back) and the patch's (apply + unpatch), median ms.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 import timeit
 import warnings
 from collections.abc import Callable
@@ -70,10 +74,70 @@ def import_times(runs: int, *, bytecode: bool = True) -> tuple[float, float]:
     return statistics.median(a), statistics.median(b)
 
 
+def sweep_times(total: int = 9150, runs: int = 7) -> dict[str, float]:
+    """Median ms of the sweeps over every loaded module, with synthetic modules (60 names:
+    functions, classes, numbers, strings) added until ``total`` are loaded: the observer
+    layer's attach and detach (a counter attached alone: the sweep is the whole cost) and the
+    patch's apply + unpatch (its alias sweeps)."""
+    import types
+
+    import opcontracts.patch as patch
+    from opcontracts._observers import layer
+    from opcontracts._observers.stats import CallStats
+
+    added = []
+    for i in range(max(0, total - len(sys.modules))):
+        name = f"_bench_sweep_{i}"
+        mod = types.ModuleType(name)
+        for j in range(15):
+            setattr(mod, f"f{j}", lambda: None)
+            setattr(mod, f"c{j}", type(f"C{j}", (), {}))
+            setattr(mod, f"n{j}", j)
+            setattr(mod, f"s{j}", f"s{j}")
+        sys.modules[name] = mod
+        added.append(name)
+    out: dict[str, list[float]] = {"layer attach": [], "layer detach": [],
+                                   "patch apply + unpatch": []}
+    try:
+        patch.apply()
+        for _ in range(runs):
+            stats = CallStats()
+            t0 = time.perf_counter()
+            layer.attach(stats)
+            t1 = time.perf_counter()
+            layer.detach(stats)
+            t2 = time.perf_counter()
+            out["layer attach"].append(t1 - t0)
+            out["layer detach"].append(t2 - t1)
+        for _ in range(runs):
+            patch.unpatch()
+            t0 = time.perf_counter()
+            patch.apply()
+            patch.unpatch()
+            out["patch apply + unpatch"].append(time.perf_counter() - t0)
+            patch.apply()
+        patch.unpatch()
+    finally:
+        for name in added:
+            sys.modules.pop(name, None)
+    return {k: statistics.median(v) * 1e3 for k, v in out.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer repeats (smoke test)")
+    p.add_argument("--sweeps", action="store_true",
+                   help="only the module sweeps over ~9,150 loaded modules")
     ns = p.parse_args(argv)
+    if ns.sweeps:
+        from opcontracts import emulation
+
+        if not emulation.installed():
+            emulation.install("wide")
+        loaded = len(sys.modules)
+        for what, ms in sweep_times(runs=3 if ns.quick else 7).items():
+            print(f"{what:24s} {ms:8.1f} ms  (over ~9150 modules; {loaded} real ones)")
+        return 0
     number, repeat, runs = (200, 5, 3) if ns.quick else (2000, 11, 7)
 
     from opcontracts import emulation

@@ -55,8 +55,9 @@ culprit's NaN and inf are then not counted; everything else is named), one read 
 ``opcontracts run --nan-check`` and the FSDP demo run it.
 
 CPU cost when on (``benchmarks/bench_accelerator.py``, ``bench_nan.py``): the checks, the call
-site looked up per call, and with grad enabled one probe node and two node hooks per call;
-global ``nn.Module`` forward hooks track the module path.  Under ``torch.compile`` the
+site kept as code + line per call (its text made at report), the module path read off the
+frames, and with grad enabled one probe node per call and one shared pre-hook per output node
+(``_observers.layer``, ``_Dispatch``).  Under ``torch.compile`` the
 sentinel steps aside (the guard alone runs, no graph break).
 
 Limits: it sees the ops ``opcontracts.patch`` guards, nothing else (a NaN made by a plain torch
@@ -70,6 +71,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from types import TracebackType
 from typing import Any, Literal
@@ -423,8 +425,9 @@ class NanSentinel(Observer):
             found: list[tuple[Any, ...]] = []
             checks = self._pending.read()
             self._kept = 0
+            isfinite = math.isfinite
             for (what, st, key, t, dtype, shape), (lo, hi) in checks:
-                if not (math.isfinite(lo) and math.isfinite(hi)):
+                if not (isfinite(lo) and isfinite(hi)):
                     self._judge(found, what, st, key, t, dtype, shape)
             if not found:
                 return
@@ -498,43 +501,52 @@ class NanSentinel(Observer):
             react(self.on_nan, ev.message(), lambda: NonFiniteError(ev), stacklevel=6)
 
     # ----------------------------------------------------------------- the observed call
-    def _check(self, what: int, st: _State, key: Any, t: Any) -> None:
-        value = _finiteness(t)
-        if value is None:
-            return
-        # dtype and shape as they come (named at the event): the hot path converts nothing
-        kept = None
-        if self._keep_budget:
-            size = t.numel() * t.element_size()
-            if self._kept + size <= self._keep_budget:
-                self._kept += size
-                kept = t.detach()
-        self._pending.add(value, (what, st, key, kept, t.dtype, t.shape))
+    def _checks(self, what: int, st: _State, items: Iterable[tuple[Any, Any]]) -> None:
+        """Leave each checked tensor's smallest and largest element on its device (not read:
+        ``_observers.deferred``), with what makes it a finding: one list pass and one lock per
+        call and direction, nothing converted (dtype and shape as they come, named at the
+        event)."""
+        parts: list[torch.Tensor] = []
+        payloads: list[_Check] = []
+        budget = self._keep_budget
+        for key, t in items:
+            value = _finiteness(t)
+            if value is None:
+                continue
+            kept = None
+            if budget:
+                size = t.numel() * t.element_size()
+                if self._kept + size <= budget:
+                    self._kept += size
+                    kept = t.detach()
+            parts.extend(value)
+            payloads.append((what, st, key, kept, t.dtype, t.shape))
+        if payloads:
+            self._pending.add_many(parts, payloads, 2)
 
     def begin(self, call: Call) -> Any:
         with self._lock:
             self._calls += 1
         st = _State(call)
-        _ = call.site  # the event is judged after the call: its line is looked up now
         assert call.args is not None and call.kwargs is not None
-        for k, t in layer.tensors(call.args, call.kwargs):
-            self._check(_IN, st, k, t)
+        self._checks(_IN, st, layer.tensors(call.args, call.kwargs))
         return st
 
     def end(self, call: Call, state: Any, out: Any) -> None:
-        for n, t in layer.outputs(out):
-            self._check(_OUT, state, n, t)
+        if isinstance(out, torch.Tensor):
+            self._checks(_OUT, state, (("output", out),))
+        else:
+            self._checks(_OUT, state, layer.outputs(out))
         if self._at_call:
             self._read()
 
     def grad_output(self, call: Call, state: Any, label: str, position: int,
                     grad: torch.Tensor) -> None:
-        self._check(_GRAD_IN, state, label, grad)
+        self._checks(_GRAD_IN, state, ((label, grad),))
 
     def grad_inputs(self, call: Call, state: Any, grads: tuple[Any, ...]) -> None:
-        for k, g in zip(call.grad_keys, grads):
-            if g is not None:
-                self._check(_GRAD_OUT, state, k, g)
+        self._checks(_GRAD_OUT, state,
+                     ((k, g) for k, g in zip(call.grad_keys, grads) if g is not None))
         if self._at_call:
             self._read()
 

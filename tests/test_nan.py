@@ -135,7 +135,8 @@ def test_off_means_nothing_is_wrapped(ops: types.ModuleType) -> None:
         assert ops.good is not guard and ops.good.__wrapped__ is guard
         assert getattr(ops.good, "__opcontracts_nan__", False)
         assert ops.good.__name__ == guard.__name__
-        assert (len(mm._global_forward_pre_hooks), len(mm._global_forward_hooks)) != hooks
+        # module paths are read off the frames: every module call keeps torch's fast path
+        assert (len(mm._global_forward_pre_hooks), len(mm._global_forward_hooks)) == hooks
     after = [_current(r) for r in patch.patched()]
     assert all(a is b for a, b in zip(before, after))  # the patch's own objects, exactly
     assert ops.good is guard

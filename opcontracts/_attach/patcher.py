@@ -27,7 +27,7 @@ import logging
 import sys
 import threading
 import types
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +36,7 @@ import torch
 from .._engine import registry
 from .._engine.compile import CompiledContract
 from .._engine.enforce import compiled_for, make_guard, params_of
+from .._engine.sweep import holding
 from . import packets
 from .kernels import SLOTS, KernelGuards, reached_from_cpp
 
@@ -166,45 +167,6 @@ class _ImportHook(importlib.abc.MetaPathFinder):
         return spec
 
 
-def _holding(wanted: Sequence[Any]) -> Iterator[tuple[str, types.ModuleType, dict[str, Any]]]:
-    """The loaded modules (name, module, namespace; ours left out) holding one of the objects
-    ``wanted`` (originals or guards: functions).  The alias sweeps run over every loaded module
-    (~9,000 in a torch_npu + Megatron + MindSpeed process, ~60 names each) at patch time, at
-    each guarded import that guards a function (packets are guarded in place: no sweep) and at
-    unpatch, and almost no module holds one.  So a module is tested in one pass in C, with no
-    bytecode per name, and only a module that holds one is walked by name.
-
-    The pass is ``frozenset(wanted).isdisjoint(values)``: each value's hash is taken by its
-    type's own slot (functions, classes, modules, ints, strings: no call), which is ~40% cheaper
-    than ``id`` of each value, called through ``map``, and a set test.  A value's hash is only
-    ever compared, never trusted: a module whose test fails some way (an unhashable value, a
-    ``__hash__`` that raises) or matches (equal hash and ``==``: a false match at worst) is
-    tested by ``id`` or walked by name, where identity decides.  The one cost: a value whose
-    type defines ``__hash__`` in Python (enum members, frozen dataclasses) runs it per sweep.
-    Measured over 9,166 modules on a loaded 2-core machine: 131 -> 80 ms a sweep (and 77 -> 68 ms
-    for the ``id`` pass over the name walk before it)."""
-    ids = {id(o) for o in wanted}
-    try:
-        objs: frozenset[Any] | None = frozenset(wanted)
-    except TypeError:  # an unhashable callable among them: identity only
-        objs = None
-    for modname, mod in list(sys.modules.items()):
-        if mod is None or modname.startswith("opcontracts"):
-            continue
-        d = getattr(mod, "__dict__", None)
-        if type(d) is not dict:
-            continue
-        if objs is not None:
-            try:
-                if objs.isdisjoint(d.values()):
-                    continue
-            except Exception:  # noqa: BLE001 - a value's own __hash__: decide by identity
-                pass
-        if ids.isdisjoint(map(id, d.values())):
-            continue
-        yield modname, mod, d
-
-
 class Patcher:
     """Holds the state of one patch: records, pending targets, the import hook."""
 
@@ -259,7 +221,8 @@ class Patcher:
         originals = {id(g): o for o, g in self.guards.values()}
         if not originals:
             return
-        for _modname, _mod, d in _holding([g for _, g in self.guards.values()]):
+        for _modname, _mod, d in holding([g for _, g in self.guards.values()],
+                                          skip_prefix="opcontracts"):
             for name, value in list(d.items()):
                 o = originals.get(id(value))
                 if o is not None:
@@ -492,7 +455,8 @@ class Patcher:
     def _rebind_aliases(self, originals: dict[int, tuple[Any, Callable[..., Any]]]) -> None:
         """Rebind names bound by ``from x import f`` before the patch, in every loaded module
         (what MindSpeed's patch manager does and msprobe does not)."""
-        for modname, mod, d in _holding([o for o, _ in originals.values()]):
+        for modname, mod, d in holding([o for o, _ in originals.values()],
+                                       skip_prefix="opcontracts"):
             for name, value in list(d.items()):
                 hit = originals.get(id(value))
                 if hit is None or hit[0] is not value:

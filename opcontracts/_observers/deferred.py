@@ -31,71 +31,100 @@ class Pending(Generic[P]):
     """Device values waiting to be read, each with its payload, in the order they came.
 
     ``on_full`` is called (outside the lock) when ``limit`` values are waiting: the owner reads
-    them then, so that memory stays bounded in a run that never asks."""
+    them then, so that memory stays bounded in a run that never asks.
+
+    Kept flat (the tensors in one list, how many belong to each payload in another), so that
+    adding is two list operations and the read stacks the one list: the NaN sentinel adds
+    two scalars per checked tensor, a few hundred a step."""
 
     def __init__(self, limit: int = 4096, on_full: Callable[[], None] | None = None) -> None:
         self.limit = limit
         self.on_full = on_full
         self._lock = threading.Lock()
-        self._values: list[torch.Tensor | Sequence[torch.Tensor]] = []
+        self._parts: list[torch.Tensor] = []
+        self._widths: list[int] = []  # tensors of each payload, in ``_parts``
         self._payloads: list[P] = []
 
     def __len__(self) -> int:
-        return len(self._values)
+        return len(self._payloads)
 
     def add(self, value: torch.Tensor | Sequence[torch.Tensor], payload: P) -> None:
         """Keep ``value`` (a device tensor of a few numbers, or several: not read now) with
         ``payload``; ``read`` gives its numbers flattened, in order."""
         with self._lock:
-            self._values.append(value)
+            if isinstance(value, torch.Tensor):
+                self._parts.append(value)
+                self._widths.append(1)
+            else:
+                self._parts.extend(value)
+                self._widths.append(len(value))
             self._payloads.append(payload)
-            full = len(self._values) >= self.limit
+            full = len(self._payloads) >= self.limit
+        if full and self.on_full is not None:
+            self.on_full()
+
+    def add_many(self, parts: list[torch.Tensor], payloads: list[P], width: int) -> None:
+        """``add`` for several payloads at once, ``width`` tensors each (in order in
+        ``parts``): one lock for a whole call's checks."""
+        with self._lock:
+            self._parts.extend(parts)
+            self._widths.extend([width] * len(payloads))
+            self._payloads.extend(payloads)
+            full = len(self._payloads) >= self.limit
         if full and self.on_full is not None:
             self.on_full()
 
     def clear(self) -> None:
         with self._lock:
-            self._values, self._payloads = [], []
+            self._parts, self._widths, self._payloads = [], [], []
 
     def read(self) -> list[tuple[P, list[float]]]:
         """Every waiting (payload, numbers), in order, in ONE host read per device (the values
         are concatenated on their device first); nothing waits afterwards."""
         with self._lock:
-            values, payloads = self._values, self._payloads
-            self._values, self._payloads = [], []
-        if not values:
+            parts, widths, payloads = self._parts, self._widths, self._payloads
+            self._parts, self._widths, self._payloads = [], [], []
+        if not payloads:
             return []
-        parts: list[torch.Tensor] = []   # every tensor (detached already: not read here)
-        owner: list[int] = []              # the value each part belongs to
-        for i, v in enumerate(values):
-            if isinstance(v, torch.Tensor):
-                parts.append(v)
-                owner.append(i)
+        rows = _numbers(parts)
+        out: list[tuple[P, list[float]]] = []
+        pos = 0
+        for payload, w in zip(payloads, widths):
+            if w == 1:
+                out.append((payload, rows[pos]))
             else:
-                parts.extend(v)
-                owner.extend([i] * len(v))
-        numbers: list[list[float]] = [[] for _ in values]
-        try:  # the common case: parts of one size on one device, stacked (no reshape each)
-            rows = torch.stack(parts).reshape(len(parts), -1).tolist()  # the one read
-        except RuntimeError:  # sizes that differ, or several devices
-            pass
-        else:
-            for j, row in zip(owner, rows):
-                numbers[j].extend(row)
-            return list(zip(payloads, numbers))
-        by_device: dict[torch.device, list[int]] = {}
-        for j, x in enumerate(parts):
-            by_device.setdefault(x.device, []).append(j)
-        for idx in by_device.values():
-            # cat promotes (float32 checks with float64 metrics): the one read of this device
-            flat = [parts[j].reshape(-1) for j in idx]
-            joined = torch.cat(flat).tolist()
-            pos = 0
-            for j, x in zip(idx, flat):
-                n = x.numel()
-                numbers[owner[j]].extend(joined[pos:pos + n])
-                pos += n
-        return list(zip(payloads, numbers))
+                got: list[float] = []
+                for r in rows[pos:pos + w]:
+                    got.extend(r)
+                out.append((payload, got))
+            pos += w
+        return out
+
+
+def _numbers(parts: list[torch.Tensor]) -> list[list[float]]:
+    """The numbers of each tensor of ``parts``, in ONE host read per device."""
+    if not parts:
+        return []
+    try:  # the common case: parts of one size on one device, stacked (no reshape each)
+        rows = torch.stack(parts).reshape(len(parts), -1).tolist()  # the one read
+    except RuntimeError:  # sizes that differ, or several devices
+        pass
+    else:
+        return rows  # type: ignore[no-any-return]
+    numbers: list[list[float]] = [[] for _ in parts]
+    by_device: dict[torch.device, list[int]] = {}
+    for j, x in enumerate(parts):
+        by_device.setdefault(x.device, []).append(j)
+    for idx in by_device.values():
+        # cat promotes (float32 checks with float64 metrics): the one read of this device
+        flat = [parts[j].reshape(-1) for j in idx]
+        joined = torch.cat(flat).tolist()
+        pos = 0
+        for j, x in zip(idx, flat):
+            n = x.numel()
+            numbers[j] = joined[pos:pos + n]
+            pos += n
+    return numbers
 
 
 class StepBoundary:

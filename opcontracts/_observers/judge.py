@@ -160,8 +160,8 @@ def measure(actual: torch.Tensor, expected: torch.Tensor) -> Judged:
         return Verdict("pass", "empty", th, {})
     work = torch.float64 if e.dtype == torch.float64 else torch.float32
     af, ef = a.to(work), e.to(work)
-    fin_a = torch.isfinite(af)
-    fin_e = torch.isfinite(e.to(a.dtype)) if e.dtype != a.dtype else torch.isfinite(ef)
+    fin_a = _finite(af)
+    fin_e = _finite(e.to(a.dtype)) if e.dtype != a.dtype else _finite(ef)
     both = fin_a & fin_e
     ok = both | (af == ef) | (torch.isnan(af) & torch.isnan(ef))  # or the same inf, or NaNs
     af, ef = torch.nan_to_num(af, 0.0, 0.0, 0.0), torch.nan_to_num(ef, 0.0, 0.0, 0.0)
@@ -172,11 +172,18 @@ def measure(actual: torch.Tensor, expected: torch.Tensor) -> Judged:
     na, ne = af.abs().amax(), e_abs.amax()
     scale = torch.maximum(na, ne).clamp_min(torch.finfo(work).tiny)
     u, v = af / scale, ef / scale  # scaled first, as msprobe does: no overflow in the sums
-    counts = torch.stack([ok.sum(), both.sum(), (rel < 0.01).sum(), (rel < 0.001).sum(),
-                          (rel < 0.0001).sum()]).to(work)  # counted as integers: exact
+    # the five counts in one reduction (counted as integers: exact)
+    counts = torch.stack([ok, both, rel < 0.01, rel < 0.001, rel < 0.0001]).reshape(5, -1) \
+        .sum(1).to(work)
     vec = torch.cat([counts[:2], torch.stack([abs_err.amax(), rel.amax()]), counts[2:],
                      torch.stack([(u * v).sum(), (u * u).sum(), (v * v).sum(), na, ne])])
     return Measured(th, vec, n)
+
+
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    """``torch.isfinite`` in one kernel: ``|x| < inf`` is False exactly for NaN and +-inf
+    (``isfinite`` is composite on floating tensors: ~2x slower on the CPU)."""
+    return x.abs() < math.inf
 
 
 def _verdict(m: Measured, numbers: list[float]) -> Verdict:

@@ -30,9 +30,10 @@ whose inputs require grad):
   op sends to those inputs (not the sum over every consumer of the tensor, which is what a
   ``register_hook`` on the input would see), and the node dies with the graph, so nothing
   accumulates on parameters from step to step (``Observer.grad_inputs``);
-* the ``grad_fn`` nodes of the outputs get a pre-hook (the gradients flowing in, just before
-  the node runs: ``Observer.grad_output``; it also tells a ``*_grad`` op called inside which
-  forward call it belongs to: ``Call.context``) and a post-hook (clears that context again).
+* the ``grad_fn`` nodes of the outputs get one pre-hook, shared by every call (the gradients
+  flowing in, just before the node runs: ``Observer.grad_output``), and an entry in their
+  ``metadata`` naming the call: a ``*_grad`` op called while the node runs finds there which
+  forward call it belongs to (``Call.context``, through ``torch._C._current_autograd_node``).
 
 Under ``torch.compile`` the layer steps aside (the guard alone runs, no graph break).  Modules
 imported after an observer attached are covered through the patch's import hook; objects
@@ -57,7 +58,8 @@ import torch
 from torch import nn
 
 from .._attach import packets
-from .._engine.callsite import CallSite, find_call_site
+from .._engine.callsite import CallSite, SiteToken, site_of, site_token
+from .._engine.sweep import holding
 
 __all__ = [
     "Call",
@@ -151,57 +153,52 @@ def arg_name(fn: Callable[..., Any], key: tuple[Any, int | None]) -> str:
 
 # --------------------------------------------------------------------------- module paths
 class _ModuleTracker:
-    """Which ``nn.Module`` is running: global forward pre/post hooks keep a per-thread stack;
-    the path is the innermost module's qualified name under the outermost one (the root)."""
+    """Which ``nn.Module`` a call runs in, read off the caller's frames: every module called
+    as ``module(...)`` has a frame of ``nn.Module._call_impl`` on the stack while it runs, so
+    the innermost such frame is the leaf and the outermost the root; the path is the leaf's
+    qualified name under the root.
+
+    Why frames and not global module hooks: a global ``register_module_forward_pre_hook``
+    takes every module call of the job (not only those around a guarded call) off torch's
+    fast path (``_call_impl``'s ``inner``), ~3 us each; the frames are walked only at a guarded
+    call an observer keeps (a dict-free loop over the stack, ``f_locals`` on two frames)."""
 
     def __init__(self) -> None:
-        self._tls = threading.local()
         self._names: weakref.WeakKeyDictionary[nn.Module, dict[int, str]] = (
             weakref.WeakKeyDictionary())
-        self._handles: list[Any] = []
-
-    @property
-    def running(self) -> bool:
-        return bool(self._handles)
+        self.running = False
+        self._codes = frozenset(
+            c for c in (getattr(nn.Module._call_impl, "__code__", None),) if c is not None)
 
     def start(self) -> None:
-        from torch.nn.modules import module as mm
-
-        self._handles = [
-            mm.register_module_forward_pre_hook(self._pre),
-            mm.register_module_forward_hook(self._post, always_call=True),
-        ]
+        self.running = True
 
     def stop(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-        self._tls = threading.local()
+        self.running = False
 
-    def _stack(self) -> list[nn.Module]:
-        st = getattr(self._tls, "stack", None)
-        if st is None:
-            st = self._tls.stack = []
-        return st  # type: ignore[no-any-return]
-
-    def _pre(self, module: nn.Module, args: Any) -> None:
-        self._stack().append(module)
-
-    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
-        st = self._stack()
-        if st and st[-1] is module:
-            st.pop()
-            return
-        for i in range(len(st) - 1, -1, -1):  # an exception skipped some post hooks
-            if st[i] is module:
-                del st[i:]
-                return
-
-    def snapshot(self) -> tuple[nn.Module, nn.Module] | None:
-        if not self._handles:
+    def snapshot(self, frame: Any = None) -> tuple[nn.Module, nn.Module] | None:
+        """(root, leaf) of the modules running at ``frame`` (the caller's, by default), or
+        None outside any module (or when no observer wants module paths)."""
+        if not self.running:
             return None
-        st = self._stack()
-        return (st[0], st[-1]) if st else None
+        f = frame if frame is not None else sys._getframe(1)
+        codes = self._codes
+        leaf = root = None
+        while f is not None:
+            if f.f_code in codes:
+                if leaf is None:
+                    leaf = f
+                root = f
+            f = f.f_back
+        if leaf is None or root is None:
+            return None
+        try:
+            lm, rm = leaf.f_locals["self"], root.f_locals["self"]
+        except (KeyError, AttributeError):  # pragma: no cover - not torch's _call_impl
+            return None
+        if not (isinstance(lm, nn.Module) and isinstance(rm, nn.Module)):
+            return None
+        return rm, lm
 
     def name(self, snap: tuple[nn.Module, nn.Module] | None) -> tuple[str | None, str | None]:
         if snap is None:
@@ -229,10 +226,15 @@ def module_name(where: tuple[nn.Module, nn.Module] | None) -> tuple[str | None, 
 class Call:
     """One guarded call as the observers see it.  ``args``/``kwargs`` are the call's own (never
     modify them) and are dropped when the call returns, so nothing kept for backward holds a
-    tensor of the job."""
+    tensor of the job.
 
-    __slots__ = ("op", "fn", "args", "kwargs", "direction", "depth", "where", "context",
-                 "grad_keys", "reused", "probe_node", "_frame", "_site", "_site_done",
+    ``site`` and ``where`` are taken from the caller's frames while the call runs (on first
+    use, and by the layer for every call an observer keeps), in their cheap form: the caller's
+    code object and line (``_engine.callsite.site_token``), the (root, leaf) modules; the text
+    of the site is made only when it is read, i.e. when a finding is reported."""
+
+    __slots__ = ("op", "fn", "args", "kwargs", "direction", "depth", "context", "grad_keys",
+                 "reused", "probe_node", "_frame", "_token", "_where", "_placed",
                  "__weakref__")
 
     def __init__(self, op: str, fn: Callable[..., Any], args: tuple[Any, ...],
@@ -243,7 +245,6 @@ class Call:
         self.kwargs: dict[str, Any] | None = kwargs
         self.direction = direction
         self.depth = depth
-        self.where: tuple[nn.Module, nn.Module] | None = None
         self.context: Call | None = None  # for a call made in backward: the forward call
         self.grad_keys: list[Any] = []     # the inputs the probe watches (``tensors`` keys)
         # outputs the op itself consumes (a Python op reusing an output): the gradient reaching
@@ -252,16 +253,28 @@ class Call:
         self.reused: set[int] | None = set()
         self.probe_node: Any = None  # the input probe's node, while the outputs are hooked
         self._frame = frame
-        self._site: CallSite | None = None
-        self._site_done = False
+        self._token: SiteToken | None = None
+        self._where: tuple[nn.Module, nn.Module] | None = None
+        self._placed = False  # token and where taken (from the frames, while the call ran)
+
+    def _place(self) -> None:
+        """Take the call site and the module snapshot off the frames (once, during the call)."""
+        if not self._placed and self._frame is not None:
+            self._placed = True
+            self._token = site_token(self._frame)
+            self._where = _modules.snapshot(self._frame)
 
     @property
     def site(self) -> CallSite | None:
-        """The user's line that made the call (looked up once, while the call runs)."""
-        if not self._site_done and self._frame is not None:
-            self._site = find_call_site(self._frame)
-            self._site_done = True
-        return self._site
+        """The user's line that made the call."""
+        self._place()
+        return site_of(self._token)
+
+    @property
+    def where(self) -> tuple[nn.Module, nn.Module] | None:
+        """(root, leaf) ``nn.Module`` the call ran in (``module_name`` names it), or None."""
+        self._place()
+        return self._where
 
     def place(self) -> tuple[CallSite | None, tuple[nn.Module, nn.Module] | None, str | None]:
         """Where to report this call: (call site, module snapshot, forward op) — for a
@@ -326,8 +339,77 @@ class _GradProbe(torch.autograd.Function):
 
 
 # --------------------------------------------------------------------------- dispatch
+# Node metadata keys (``grad_fn.metadata``: a dict the autograd node owns, freed with the graph):
+# the forward call whose backward the node runs (read by a guarded call made while the node
+# runs, through ``torch._C._current_autograd_node``), and the calls whose observers want the
+# gradients flowing into the node (read by the node's one shared pre-hook).
+_CTX = "opcontracts.call"
+_GRADS = "opcontracts.grads"
+_current_node: Callable[[], Any] = torch._C._current_autograd_node
+_graph_task: Callable[[], int] = torch._C._current_graph_task_id
+
+
+def _context() -> Call | None:
+    """The forward call whose backward node is running now (None outside such a node)."""
+    node = _current_node()
+    if node is None:
+        return None
+    got = node.metadata.get(_CTX)
+    return got if isinstance(got, Call) else None
+
+
+def _mark(call: Call, nodes: Iterator[Any]) -> None:
+    """Tell ``nodes`` (the outputs' autograd nodes) that they run ``call``'s backward; the
+    innermost call wins when a wrapper and the op it calls share a node."""
+    for node in nodes:
+        md = node.metadata
+        prev = md.get(_CTX)
+        if prev is None or prev.depth < call.depth:
+            md[_CTX] = call
+
+
+def _output_nodes(out: Any) -> Iterator[Any]:
+    """The autograd nodes of the outputs that require grad (a node once per tensor)."""
+    if isinstance(out, torch.Tensor):
+        if out.requires_grad and out.grad_fn is not None:
+            yield out.grad_fn
+        return
+    for _, t in outputs(out):
+        if t.requires_grad and t.grad_fn is not None:
+            yield t.grad_fn
+
+
+def _node_prehook(grad_outputs: tuple[Any, ...]) -> None:
+    """The one pre-hook every watched node shares (no closure per call): the gradients flowing
+    into the node go to the observers of each call registered on it (``_GRADS``)."""
+    node = _current_node()
+    if node is None:  # pragma: no cover - torch runs pre-hooks inside the node
+        return
+    for call, grad_obs, idx in node.metadata.get(_GRADS, ()):
+        for pos, nr in idx:
+            g = grad_outputs[nr] if nr < len(grad_outputs) else None
+            if g is not None:
+                label = f"output[{nr}]" if len(idx) > 1 else "output"
+                for o, s in grad_obs:
+                    o.grad_output(call, s, label, pos, g)
+
+
 class _Dispatch:
-    """The attached observers and what one wrapped call does with them."""
+    """The attached observers and what one wrapped call does with them.
+
+    Why the hot path is cheap (each watched call pays only for what an attached observer
+    asked for, pluggy-style: the observers are a tuple read once, and per call the layer does
+    no work for an observer that returned None from ``begin``):
+
+    * the call site is the caller's code object and line (one dict lookup per frame above the
+      wrapper, ``site_token``); the text is made when a finding is reported;
+    * the module path is read off the frames (``_ModuleTracker``), no global module hooks;
+    * a call made in backward finds its forward call in the running node's metadata
+      (``torch._C._current_autograd_node``), so the outputs' nodes get no hook for it: a
+      sampling observer's undrawn calls cost one metadata entry per output node;
+    * a call whose gradients are watched gets one probe node for its inputs and, per output
+      node, one pre-hook shared by every call (the calls are in the node's metadata).
+    """
 
     def __init__(self) -> None:
         self.counters: tuple[Counter, ...] = ()
@@ -342,43 +424,51 @@ class _Dispatch:
         return getattr(self.tls, "busy", False)  # type: ignore[no-any-return]
 
     def context(self) -> Call | None:
-        cur = getattr(self.tls, "bwd", None)
-        return cur[0] if cur is not None else None
+        return _context()
 
     def call(self, op: str, fn: Callable[..., Any], args: tuple[Any, ...],
              kwargs: dict[str, Any]) -> Any:
         for c in self.counters:
             c.count(op)
         observers = self.observers
-        if not observers or getattr(self.tls, "busy", False):
+        tls = self.tls
+        if not observers or getattr(tls, "busy", False):
             return fn(*args, **kwargs)
-        direction: Direction = "backward" if in_backward() else "forward"
-        depth = self.depth()
-        call = Call(op, fn, args, kwargs, direction, depth, sys._getframe(2))
-        call.where = _modules.snapshot()
-        if direction == "backward":
-            call.context = self.context()
+        backward = _graph_task() != -1
+        depth = getattr(tls, "depth", 0)
+        call = Call(op, fn, args, kwargs, "backward" if backward else "forward", depth,
+                    sys._getframe(2))
+        if backward:
+            call.context = _context()
         states = [o.begin(call) for o in observers]
-        grad_obs = [(o, s) for o, s in zip(observers, states) if s is not None and o.grads]
-        if grad_obs and torch.is_grad_enabled() and any(
-                t.requires_grad for _, t in tensors(args, kwargs)):
-            _ = call.site  # backward needs the forward's line: look it up while it exists
-            args, kwargs = self._probe(call, grad_obs, args, kwargs)
-        else:
-            grad_obs = []
-        self.tls.depth = depth + 1
+        kept = False
+        grad_obs: list[tuple[Observer, Any]] = []
+        for o, st in zip(observers, states):
+            if st is not None:
+                kept = True
+                if o.grads:
+                    grad_obs.append((o, st))
+        grad = torch.is_grad_enabled()
+        if kept:
+            call._place()  # site and module while the frames exist (judged after the call)
+            if grad_obs and grad and any(t.requires_grad for _, t in tensors(args, kwargs)):
+                args, kwargs = self._probe(call, grad_obs, args, kwargs)
+            else:
+                grad_obs = []
+        tls.depth = depth + 1
         try:
             out = fn(*args, **kwargs)
         finally:
-            self.tls.depth = depth
+            tls.depth = depth
         try:
-            for o, s in zip(observers, states):
-                if s is not None:
-                    o.end(call, s, out)
+            if kept:
+                for o, st in zip(observers, states):
+                    if st is not None:
+                        o.end(call, st, out)
             if grad_obs:
                 self._hook_outputs(call, grad_obs, out)
-            elif self.contexts and torch.is_grad_enabled():
-                self._hook_outputs(call, [], out)  # only which call a backward node is
+            elif grad and self.contexts:
+                _mark(call, _output_nodes(out))  # only which call a backward node runs
         finally:
             call.args = call.kwargs = None
             call._frame = None
@@ -412,10 +502,9 @@ class _Dispatch:
         return tuple(new_args), new_kwargs
 
     def _hook_outputs(self, call: Call, grad_obs: list[tuple[Observer, Any]], out: Any) -> None:
-        """Pre- and post-hooks on the autograd nodes of the outputs: the gradients flowing in
-        go to the observers just before the node runs, and the node's run is marked as this
-        call's backward (the innermost call wins when a wrapper and the op it calls share a
-        node)."""
+        """The outputs' autograd nodes learn that they run this call's backward (``_CTX``) and
+        hand the gradients flowing in to its observers (``_GRADS``, through the one shared
+        pre-hook, registered once per node)."""
         nodes: dict[int, tuple[Any, list[tuple[int, int]]]] = {}
         for pos, (_, t) in enumerate(outputs(out)):
             node = t.grad_fn
@@ -424,28 +513,14 @@ class _Dispatch:
         if any(o.reuse for o, _ in grad_obs):
             call.reused = _consumed_inside(nodes, call.probe_node)
         call.probe_node = None  # no cycle through the probe's context
-        tls = self.tls
-        for node_id, (node, idx) in nodes.items():
-
-            def pre(grad_outputs: tuple[Any, ...], idx: list[tuple[int, int]] = idx,
-                    node_id: int = node_id) -> None:
-                for pos, nr in idx:
-                    g = grad_outputs[nr] if nr < len(grad_outputs) else None
-                    if g is not None:
-                        label = f"output[{nr}]" if len(idx) > 1 else "output"
-                        for o, s in grad_obs:
-                            o.grad_output(call, s, label, pos, g)
-                cur = getattr(tls, "bwd", None)
-                if cur is None or cur[1] != node_id or call.depth > cur[0].depth:
-                    tls.bwd = (call, node_id)
-
-            def post(grad_inputs: Any, grad_outputs: Any, node_id: int = node_id) -> None:
-                cur = getattr(tls, "bwd", None)
-                if cur is not None and cur[1] == node_id:
-                    tls.bwd = None
-
-            node.register_prehook(pre)
-            node.register_hook(post)
+        _mark(call, (n for n, _ in nodes.values()))
+        for node, idx in nodes.values():
+            md = node.metadata
+            entries = md.get(_GRADS)
+            if entries is None:
+                md[_GRADS] = entries = []
+                node.register_prehook(_node_prehook)
+            entries.append((call, grad_obs, idx))
 
 
 def _consumed_inside(nodes: dict[int, tuple[Any, list[tuple[int, int]]]], stop: Any,
@@ -489,18 +564,6 @@ def busy() -> Iterator[None]:
 
 
 # --------------------------------------------------------------------------- the layer
-def _module_dicts() -> Iterator[tuple[str, ModuleType, dict[str, Any]]]:
-    """(name, module, namespace) of every loaded module (a snapshot: safe while modules
-    change)."""
-    for name, mod in list(sys.modules.items()):
-        if mod is None or not isinstance(mod, ModuleType):
-            continue
-        try:
-            yield name, mod, vars(mod)
-        except TypeError:  # pragma: no cover
-            continue
-
-
 _is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_dynamo_compiling",
                                             torch.compiler.is_compiling)
 
@@ -605,9 +668,9 @@ class _Layer:
         self.owned_by = None
 
     def _rebind(self, guards: dict[int, tuple[Any, str]]) -> None:
-        for name, mod, d in _module_dicts():
-            if name == __name__:
-                continue
+        # only the modules that hold a guard are walked by name (``_engine.sweep``: one pass
+        # in C per module, the patch's own alias sweep)
+        for _name, mod, d in holding([g for g, _ in guards.values()], skip_prefix=__name__):
             for key, value in list(d.items()):
                 hit = guards.get(id(value))
                 if hit is None or hit[0] is not value:
@@ -625,7 +688,7 @@ class _Layer:
             if cur is new:
                 setattr(owner, attr, old)
         self.saved.clear()
-        for _name, _mod, d in _module_dicts():
+        for _name, _mod, d in holding([w for _, w in self.wrappers.values()]):
             for key, value in list(d.items()):
                 guard = self.wrapper_ids.get(id(value))
                 if guard is not None and self.wrappers.get(id(guard), (None, None))[1] is value:

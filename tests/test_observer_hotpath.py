@@ -1,0 +1,82 @@
+"""The observer layer's cheap hot path keeps what the findings need: the call site (taken as
+code + line, made text at report), the module path (read off the frames), and for a call made
+in backward the forward call whose node runs it (the node's metadata)."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+from opcontracts._engine.callsite import find_call_site, site_of, site_token
+from opcontracts._observers import layer
+
+
+def test_the_cheap_call_site_is_the_same_line_as_the_full_lookup() -> None:
+    frame = sys._getframe(0)
+    assert site_of(site_token(frame)) == find_call_site(frame)
+    assert site_of(None) is None
+
+
+def test_module_path_from_the_frames_names_leaf_under_root() -> None:
+    seen: list[tuple[str | None, str | None]] = []
+
+    class Leaf(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(layer.module_name(layer._modules.snapshot()))
+            return x
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mlp = Leaf()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.mlp(x)
+
+    class Root(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([Block(), Block()])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for b in self.layers:
+                x = b(x)
+            return x
+
+    was = layer._modules.running
+    layer._modules.start()
+    try:
+        Root()(torch.zeros(1))
+        outside = layer._modules.snapshot()
+    finally:
+        if not was:
+            layer._modules.stop()
+    assert seen == [("layers.0.mlp", "Leaf"), ("layers.1.mlp", "Leaf")]
+    assert outside is None
+
+
+def test_a_call_in_backward_finds_its_forward_call_in_the_running_node() -> None:
+    found: list[object] = []
+
+    class F(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+        @staticmethod
+        def backward(ctx: object, g: torch.Tensor) -> torch.Tensor:
+            found.append(layer._context())
+            return g * 2
+
+    x = torch.randn(3, requires_grad=True)
+    y = F.apply(x)
+    marker = layer.Call("op", lambda: None, (), {}, "forward", 0, None)
+    layer._mark(marker, layer._output_nodes(y))
+    inner = layer.Call("inner", lambda: None, (), {}, "forward", 1, None)
+    layer._mark(inner, layer._output_nodes(y))  # the innermost call sharing the node wins
+    layer._mark(marker, layer._output_nodes(y))
+    y.sum().backward()
+    assert found == [inner]
+    assert layer._context() is None  # outside any node
