@@ -38,7 +38,7 @@ _MC2_PACKAGES = ("mindspeed.core.transformer", "mindspeed.core.transformer.moe",
                  "mindspeed.core.transformer.moe.moe_feature.mc2moe",
                  "mindspeed.core.tensor_parallel", "mindspeed.core.tensor_parallel.mc2_feature")
 _PACKAGES = ("torch_npu", "mindspeed", "mindspeed.ops", "mindspeed.op_builder", "mindspeed.core",
-             "mindspeed.core.fusions", *_MC2_PACKAGES)
+             "mindspeed.core.fusions", "mindspeed.te", "mindspeed.te.pytorch", *_MC2_PACKAGES)
 
 
 def is_standin(module: object) -> bool:
@@ -764,6 +764,90 @@ def _mc2_linear_function() -> list[Any]:
     return [ColumnSeqParallelLinearFunction]
 
 
+def _te_permutation() -> list[Any]:
+    """MoePermuteMaskMap / MoeUnpermuteMaskMap of mindspeed/te/pytorch/permutation.py (MindSpeed
+    2.2+, master 028de58ca629; ``fused_moe_permute.(un)permute(fused=True)`` applies them), as
+    MindSpeed writes them: Python over torch_npu's routing-map ops, looked up on the
+    ``torch_npu`` module at each call; the unpermute calls the *internal*
+    ``torch_npu._npu_moe_token_unpermute_with_routing_map``.  Their backward calls the
+    routing-map grad ops (``npu_moe_token_(un)permute_with_routing_map_grad``), which the
+    emulation does not register yet: a backward through them fails with AttributeError."""
+    import torch_npu  # type: ignore[import-not-found]  # the stand-in
+
+    class MoePermuteMaskMap(torch.autograd.Function):
+        """functional Permute with mask router map"""
+
+        @staticmethod
+        def forward(ctx, tokens, routing_map, probs=None, num_out_tokens=None, drop_and_pad=False):  # type: ignore[no-untyped-def]
+            permuted_input, permuted_probs, sorted_indices = torch_npu.npu_moe_token_permute_with_routing_map(
+                tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens, drop_and_pad=drop_and_pad)
+            num_tokens, _ = tokens.shape
+            num_experts = routing_map.shape[1]
+            ctx.num_tokens = num_tokens
+            ctx.num_experts = num_experts
+            ctx.drop_and_pad = drop_and_pad
+            ctx.sorted_indices = sorted_indices
+            ctx.routing_map = routing_map
+            return permuted_input, permuted_probs, sorted_indices
+
+        @staticmethod
+        def backward(ctx, permuted_act_grad, permuted_probs_grad, _):  # type: ignore[no-untyped-def]
+            act_grad = None
+            probs_grad = None
+            if ctx.needs_input_grad[0]:
+                act_grad, probs_grad = torch_npu.npu_moe_token_permute_with_routing_map_grad(
+                    permuted_act_grad, permuted_probs_grad, ctx.sorted_indices, ctx.routing_map,
+                    ctx.num_experts, ctx.num_tokens, ctx.drop_and_pad)
+            if not ctx.needs_input_grad[2]:
+                probs_grad = None
+            return act_grad, None, probs_grad, None, None
+
+    class MoeUnpermuteMaskMap(torch.autograd.Function):
+        """functional Unpermute with mask router map"""
+
+        @staticmethod
+        def forward(ctx, permuted_tokens, sorted_indices, restore_shape, probs=None, routing_map=None, drop_and_pad=False):  # type: ignore[no-untyped-def]
+            if not permuted_tokens.numel():
+                ctx.probs = probs
+                return permuted_tokens
+            unpermuted_output, out_index, permuted_token_id, _ = torch_npu._npu_moe_token_unpermute_with_routing_map(
+                permuted_tokens, sorted_indices, restore_shape, probs=probs, routing_map=routing_map,
+                drop_and_pad=drop_and_pad)
+            with_probs = probs is not None
+            if with_probs:
+                ctx.save_for_backward(permuted_tokens, probs)
+            ctx.restore_shape = restore_shape
+            ctx.drop_and_pad = drop_and_pad
+            ctx.sorted_indices = sorted_indices
+            ctx.routing_map = routing_map
+            ctx.out_index = out_index
+            ctx.permuted_token_id = permuted_token_id
+            ctx.with_probs = with_probs
+            return unpermuted_output
+
+        @staticmethod
+        def backward(ctx, unpermuted_tokens_grad):  # type: ignore[no-untyped-def]
+            if not unpermuted_tokens_grad.numel():
+                return unpermuted_tokens_grad, None, None, ctx.probs, None, None
+            act_grad = None
+            probs_grad = None
+            if ctx.needs_input_grad[0]:
+                permuted_tokens, probs = None, None
+                if ctx.with_probs:
+                    permuted_tokens, probs = ctx.saved_tensors
+                out_index = ctx.out_index if ctx.drop_and_pad else ctx.sorted_indices
+                token_id = ctx.permuted_token_id if ctx.drop_and_pad else ctx.sorted_indices
+                act_grad, probs_grad = torch_npu.npu_moe_token_unpermute_with_routing_map_grad(
+                    unpermuted_tokens_grad, out_index, token_id, routing_map=ctx.routing_map,
+                    permuted_tokens=permuted_tokens, probs=probs, drop_and_pad=ctx.drop_and_pad,
+                    restore_shape=ctx.restore_shape)
+            if not ctx.needs_input_grad[3]:
+                probs_grad = None
+            return act_grad, None, None, probs_grad, None, None
+
+    return [MoePermuteMaskMap, MoeUnpermuteMaskMap]
+
+
 def _own(module: types.ModuleType, objects: list[Any]) -> None:
     """Put classes and functions built for ``module`` into it, named as MindSpeed names them."""
     for obj in objects:
@@ -868,6 +952,10 @@ class _Builders:
     def linear_function(self, module: types.ModuleType) -> None:
         _own(module, _mc2_linear_function())
 
+    def te_permutation(self, module: types.ModuleType) -> None:
+        module.__doc__ = "MoE Permutaion API"  # (sic, MindSpeed's)
+        _own(module, _te_permutation())
+
     def package(self, module: types.ModuleType) -> None:
         module.__doc__ = (f"opcontracts emulation of {module.__name__} (only the modules "
                           "below it that the stand-ins emulate).")
@@ -894,6 +982,9 @@ class _Builders:
             **{name: self.package for name in _MC2_PACKAGES},
             "mindspeed.core.transformer.moe.moe_feature.mc2moe.mc2_fuse_a2a": self.mc2_fuse_a2a,
             "mindspeed.core.tensor_parallel.mc2_feature.linear_function": self.linear_function,
+            "mindspeed.te": self.package,
+            "mindspeed.te.pytorch": self.package,
+            "mindspeed.te.pytorch.permutation": self.te_permutation,
         }
 
 
