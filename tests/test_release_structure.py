@@ -249,7 +249,8 @@ def test_internal_contracts_take_the_public_ops_rules() -> None:
 
 
 @pytest.mark.parametrize("op", ["_npu_moe_token_unpermute", "npu_moe_token_unpermute_grad_v2",
-                                "npu_moe_token_permute_grad_v2"])
+                                "npu_moe_token_permute_grad_v2",
+                                "_npu_moe_token_unpermute_with_routing_map"])
 def test_internal_contracts_name_the_releases_that_have_the_op(op: str) -> None:
     d = digest.load()
     with_op = {v for v in d.versions if op in d.release(v).schemas}
@@ -296,7 +297,8 @@ def test_wheel_verify_fails_when_a_route_has_no_contract() -> None:
               if any(f.kind == "unguarded-route" for g in r.groups for f in g.findings)}
     assert routes == {"_npu_moe_token_unpermute": ["2.13.0"],
                       "npu_moe_token_unpermute_grad_v2": ["2.13.0"],
-                      "npu_moe_token_permute_grad_v2": ["2.12.0", "2.13.0"]}
+                      "npu_moe_token_permute_grad_v2": ["2.12.0", "2.13.0"],
+                      "_npu_moe_token_unpermute_with_routing_map": ["2.12.0", "2.13.0"]}
     assert all(r.fails for r in results if r.op in routes)
     text = verify.render(results, 2)
     assert "rules_of = 'npu_moe_token_unpermute'" in text

@@ -315,24 +315,22 @@ def test_a_contract_that_cannot_compile_never_kills_the_job() -> None:
 
 # --------------------------------------------------------------------------- item 19
 def test_one_user_mistake_is_one_record(emu: Any) -> None:
-    """MindSpeed's unpermute calls torch_npu's, and its backward runs the _grad op: one record
-    for the user's call, the nested ones attached to it."""
-    from mindspeed.ops.npu_moe_token_unpermute import npu_moe_token_unpermute
+    """MindSpeed's fused_swiglu is Python calling torch_npu's npu_swiglu, and its backward runs
+    npu_swiglu_backward: one record for the user's call, the nested ones attached to it.
+    (MindSpeed's unpermute nests nothing: its C++ extension calls aclnn directly, see
+    tests/test_mindspeed_opaque.py.)"""
+    from mindspeed.core.fusions.fused_bias_swiglu import fused_swiglu
 
-    tokens, idx, probs = _unpermute_args(torch.float32)
-    tokens.requires_grad_()
-    probs.requires_grad_()
-    opcontracts.set_targets(cann="8.0.RC3")  # where torch_npu's inner calls are wrong too
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)  # no kernel takes fp64
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out = npu_moe_token_unpermute(tokens, idx, probs)
-        out.float().sum().backward()
+        out = fused_swiglu(x)
+        out.sum().backward()
     rep = opcontracts.report()
     assert len(rep.records) == 1, rep.table()
     top = rep.records[0]
-    assert top.op == "mindspeed.npu_moe_token_unpermute" and top.arg == "probs"
-    assert {n["op"] for n in top.nested} >= {"npu_moe_token_unpermute",
-                                               "npu_moe_token_unpermute_grad_v2"}
+    assert top.op == "mindspeed.fused_swiglu" and top.arg == "x"
+    assert {n["op"] for n in top.nested} >= {"npu_swiglu", "npu_swiglu_backward"}
     assert "1 contract violation(s) at 1 site(s)" in rep.table()
     shown = [w for w in caught if issubclass(w.category, opcontracts.ContractWarning)]
     assert len(shown) == 1

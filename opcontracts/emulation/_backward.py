@@ -105,7 +105,8 @@ def rotary_mul_backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dic
 
 def moe_token_backwards(structure: Structure) -> dict[str, Any]:
     """The permute / unpermute formulas of ``structure``'s release, by the op carrying the
-    derivative (the internal op where the public unpermute is autograd-only: ``_nodes``)."""
+    derivative (the internal op where the public unpermute, or the public routing-map
+    unpermute, is autograd-only: ``_nodes``)."""
     permute = {None: None, "npu_moe_token_permute_grad": permute_backward,
                "npu_moe_token_permute_grad_v2": permute_backward_v2}
     table: dict[str, Any] = {"npu_moe_token_permute": permute[structure.permute_backward]}
@@ -113,6 +114,9 @@ def moe_token_backwards(structure: Structure) -> dict[str, Any]:
         table[structure.unpermute_internal] = internal_unpermute_backward
     else:  # no grad op in the release (2.5.1.post1, 2.6.0): no derivative
         table["npu_moe_token_unpermute"] = unpermute_backward if structure.unpermute_backward else None
+    if structure.routing_map_internal is not None:  # the formula, on the internal op's output
+        ref = reference.get(structure.routing_map_internal)
+        table[structure.routing_map_internal] = ref.backward if ref is not None else None
     return table
 
 

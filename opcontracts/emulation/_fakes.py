@@ -18,6 +18,7 @@ from . import _kernels as K
 
 __all__ = [
     "_npu_moe_token_unpermute",
+    "_npu_moe_token_unpermute_with_routing_map",
     "npu_grouped_matmul",
     "npu_moe_compute_expert_tokens",
     "npu_moe_finalize_routing",
@@ -163,6 +164,22 @@ def npu_moe_token_unpermute_with_routing_map(
     drop_and_pad: bool = False,
 ) -> torch.Tensor:
     return permuted_tokens.new_empty((restore_shape[0], restore_shape[1]))
+
+
+def _npu_moe_token_unpermute_with_routing_map(
+    permuted_tokens: torch.Tensor,
+    sorted_indices: torch.Tensor,
+    restore_shape: Sequence[int],
+    *,
+    probs: torch.Tensor | None = None,
+    routing_map: torch.Tensor | None = None,
+    drop_and_pad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    out = npu_moe_token_unpermute_with_routing_map(permuted_tokens, sorted_indices, restore_shape)
+    permute_probs = (probs.new_empty(sorted_indices.shape) if probs is not None
+                     else permuted_tokens.new_empty((0,)))
+    return (out, sorted_indices.new_empty(sorted_indices.shape),
+            sorted_indices.new_empty(sorted_indices.shape), permute_probs)
 
 
 def npu_moe_init_routing(

@@ -9,7 +9,8 @@ import threading
 from torch.library import Library
 
 from . import _device, _ops, _profiles
-from ._standins import MODULE_NAMES, StandinFinder, is_standin, set_line
+from ._jit import deregister_library, register_library, set_line
+from ._standins import MODULE_NAMES, StandinFinder, is_standin
 
 __all__ = ["current_profile", "install", "installed", "installed_release", "uninstall"]
 
@@ -18,6 +19,7 @@ DEFAULT_MINDSPEED_VERSION = "0.8.0"
 
 _lock = threading.RLock()
 _lib: Library | None = None
+_ms_lib: Library | None = None  # MindSpeed's AS_LIBRARY (``_jit``): torch.ops.mindspeed
 _finder: StandinFinder | None = None
 _release: str | None = None  # the torch_npu release whose structure the ops have
 
@@ -52,10 +54,15 @@ def install(
     autograd-only over an internal ``_npu_*`` op, which grad ops their backward calls, with the
     release's schemas) and the version the stand-in reports; a release the wheel digest does
     not know is a ValueError naming the known ones. ``mindspeed_line`` is the MindSpeed line the
-    stand-ins behave as (``_standins.MINDSPEED_LINES``): ``"master"`` runs MindSpeed's own bf16
-    ``TORCH_CHECK``s in unpermute / permute (a RuntimeError, as MindSpeed raises);
-    ``"core_r0.8.0"`` (the DeepSeek-V3 line, default) has none, so a wrong dtype reaches the
-    kernel. Installing again switches the profile (and
+    stand-ins behave as (``_jit.MINDSPEED_LINES``): MindSpeed's unpermute / permute (and gmm,
+    rope) are JIT-built extensions calling the CANN kernels directly, never torch_npu's ops
+    (``_jit``); ``"master"`` runs MindSpeed's own bf16 ``TORCH_CHECK``s in unpermute / permute,
+    forward and backward (a RuntimeError, as MindSpeed raises); ``"core_r0.8.0"`` (the
+    DeepSeek-V3 line, default) has none (ranks only, and an fp32 cast when probs is fp32), so a
+    wrong dtype reaches the kernel. The install also owns MindSpeed's ``Library("mindspeed",
+    "DEF")``: ``torch.ops.mindspeed.npu_gmm`` is defined on it when ``mindspeed.ops.gmm`` is
+    imported (as MindSpeed's ``GMMOpBuilder`` does) and is gone after ``uninstall()``.
+    Installing again switches the profile (and
     the reported versions); a different ``version`` registers the ops anew (references to op
     packets taken before go stale). When ``opcontracts.patch`` is
     applied, the new ops are guarded at once (the patch is applied again). Raises RuntimeError when a
@@ -67,7 +74,7 @@ def install(
     reports (``device="Ascend910_9382"``).  Installing again with ``device=False`` keeps a
     device already installed.
     """
-    global _lib, _finder, _release
+    global _lib, _ms_lib, _finder, _release
     _check_release(version)
     set_line(mindspeed_line)
     if _lib is not None and _release != version:
@@ -89,10 +96,15 @@ def install(
                 "The emulation is for machines without an NPU stack."
             )
         lib = _ops.register(version)
+        try:
+            ms_lib = register_library()
+        except BaseException:
+            _ops.deregister(lib)
+            raise
         _profiles.activate(resolved)
         finder = StandinFinder(versions)
         finder.insert()
-        _lib, _finder, _release = lib, finder, version
+        _lib, _ms_lib, _finder, _release = lib, ms_lib, finder, version
         try:
             _install_device(device)
         except BaseException:
@@ -137,7 +149,7 @@ def uninstall() -> None:
 
 
 def _drop() -> None:
-    global _lib, _finder
+    global _lib, _ms_lib, _finder
     with _lock:
         _device.uninstall()  # its kernels for the ops first, while the ops exist
         if _finder is not None:
@@ -148,11 +160,13 @@ def _drop() -> None:
                 sys.modules[name]
             ):
                 del sys.modules[name]
+        if _ms_lib is not None:  # torch.ops.mindspeed.* (defined by the stand-in builders)
+            deregister_library(_ms_lib)
         if _lib is not None:
             _ops.deregister(_lib)
         _profiles.deactivate()
         set_line("core_r0.8.0")
-        _lib, _finder, _release = None, None, None
+        _lib, _ms_lib, _finder, _release = None, None, None, None
 
 
 def _check_release(version: str) -> None:

@@ -14,8 +14,9 @@ Per op the registration is:
 
 What differs by torch_npu release is registered per release (``register(release)``,
 ``_release``): the internal and ``_grad_v2`` ops only where the release defines them (with its
-schemas), the public unpermute as an autograd-only kernel calling ``_npu_moe_token_unpermute``
-where it is one (``_nodes``), and the permute / unpermute backward through the release's grad op,
+schemas), the public unpermute (and routing-map unpermute) as an autograd-only kernel calling
+``_npu_moe_token_unpermute`` (``_npu_moe_token_unpermute_with_routing_map``) where it is one
+(``_nodes``), and the permute / unpermute backward through the release's grad op,
 captured once as an ``OpOverload`` (``_captured``).
 
 Everything is registered through one ``torch.library.Library("npu", "FRAGMENT")``; destroying
@@ -234,10 +235,11 @@ def register(release: str = DIGEST_RELEASE) -> Library:
         for op in ops:
             lib.define(schemas[op.name] if op.release_only else op.schema)
         _captured.capture(NAMESPACE, tuple(op.name for op in ops))
+        internal = {public: name for public, name in _release.INTERNAL_OF.items()
+                    if name in structure.internal_ops}
         for op in ops:
             _register_op(lib, op, backwards.get(op.name, op.backward),
-                         public_only=op.name == "npu_moe_token_unpermute"
-                         and structure.unpermute_internal is not None)
+                         internal=internal.get(op.name))
     except BaseException:
         _captured.clear()
         lib._destroy()
@@ -253,11 +255,14 @@ def _release_schemas(release: str) -> dict[str, str]:
     return {name: have[name][0].func for name in _RELEASE_OPS if name in have}
 
 
-def _register_op(lib: Library, op: OpDef, backward: BackwardFn | None, public_only: bool) -> None:
+def _register_op(lib: Library, op: OpDef, backward: BackwardFn | None, internal: str | None
+                 ) -> None:
+    """``internal``: the op the release's ``AutogradPrivateUse1``-only kernel of ``op`` calls."""
     view_name = op.name
     qualified = f"{NAMESPACE}::{op.name}"
-    if public_only:  # the release's AutogradPrivateUse1-only kernel (``_nodes``)
-        autograd_kernel, below = autograd_only(_captured.overload("_npu_moe_token_unpermute"))
+    public_only = internal is not None
+    if internal is not None:  # the release's AutogradPrivateUse1-only kernel (``_nodes``)
+        autograd_kernel, below = autograd_only(_captured.overload(internal))
         lib.impl(op.name, autograd_kernel, "Autograd", with_keyset=True)
         lib.impl(op.name, below, "CompositeExplicitAutograd")
     else:

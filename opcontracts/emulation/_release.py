@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..wheel.structure import Structure, structure
 
-__all__ = ["NO_DERIVATIVE_OPS", "SAME_KERNEL", "Structure", "structure"]
+__all__ = ["INTERNAL_OF", "NO_DERIVATIVE_OPS", "SAME_KERNEL", "Structure", "structure"]
 
 NO_DERIVATIVE_OPS = frozenset({
     "npu_grouped_matmul", "npu_all_gather_base_mm", "npu_alltoallv_gmm", "npu_gmm_alltoallv",
@@ -16,9 +16,18 @@ kernel for them, so torch's autograd fallback warns and sends no gradient, as on
 
 SAME_KERNEL = {
     "_npu_moe_token_unpermute": "npu_moe_token_unpermute",
+    "_npu_moe_token_unpermute_with_routing_map": "npu_moe_token_unpermute_with_routing_map",
     "npu_moe_token_unpermute_grad_v2": "npu_moe_token_unpermute_grad",
     "npu_moe_token_permute_grad_v2": "npu_moe_token_permute_grad",
 }
 """The ops only some releases define, and the op whose aclnn kernel (and dtype profile) they
 run: the same kernel under another name, with the row count and dtype of a forward tensor given
-instead of the tensor (``_grad_v2``)."""
+instead of the tensor (``_grad_v2``), or with the outputs its backward reads added (the
+internal ``_npu_*`` ops)."""
+
+INTERNAL_OF = {
+    "npu_moe_token_unpermute": "_npu_moe_token_unpermute",
+    "npu_moe_token_unpermute_with_routing_map": "_npu_moe_token_unpermute_with_routing_map",
+}
+"""Public op -> the internal op its ``AutogradPrivateUse1``-only kernel calls, in the releases
+that define the internal op (``Structure.unpermute_internal`` / ``routing_map_internal``)."""

@@ -25,6 +25,7 @@ import torch
 
 from ..reference import _fam_gemm_comm as _gemm_ref
 from ..reference._attention import npu_ring_attention_update as _ring_reference
+from . import _jit
 from ._ops import NAMESPACE, OP_NAMES
 from ._raw import reinterpret
 
@@ -36,8 +37,8 @@ _MC2_PACKAGES = ("mindspeed.core.transformer", "mindspeed.core.transformer.moe",
                  "mindspeed.core.transformer.moe.moe_feature",
                  "mindspeed.core.transformer.moe.moe_feature.mc2moe",
                  "mindspeed.core.tensor_parallel", "mindspeed.core.tensor_parallel.mc2_feature")
-_PACKAGES = ("torch_npu", "mindspeed", "mindspeed.ops", "mindspeed.core", "mindspeed.core.fusions",
-             *_MC2_PACKAGES)
+_PACKAGES = ("torch_npu", "mindspeed", "mindspeed.ops", "mindspeed.op_builder", "mindspeed.core",
+             "mindspeed.core.fusions", "mindspeed.te", "mindspeed.te.pytorch", *_MC2_PACKAGES)
 
 
 def is_standin(module: object) -> bool:
@@ -55,98 +56,321 @@ def _npu() -> Any:
 # unannotated on purpose: ``str(inspect.signature(f))`` must read exactly like the table.
 
 
-MINDSPEED_LINES = ("core_r0.8.0", "master")
-"""MindSpeed lines whose unpermute / permute C++ differ: ``master``'s
-(``mindspeed/ops/csrc/cann/npu_moe_token_(un)permute.cpp``) ``TORCH_CHECK``s bf16 tokens and
-probs and int32 sorted_indices since the op was added (2024-08); the DeepSeek-V3 line
-(``2.0.0_core_r0.8.0``) removed the dtype checks (only ranks are checked) and casts in the
-Megatron wrapper instead, which is where the incident's silent NaN lives."""
-
-_line = {"mindspeed": "core_r0.8.0"}
+# MindSpeed's lines (``_jit.MINDSPEED_LINES``): what its C++ extensions check.
+MINDSPEED_LINES = _jit.MINDSPEED_LINES
+set_line = _jit.set_line
 
 
-def set_line(line: str) -> None:
-    if line not in MINDSPEED_LINES:
-        raise ValueError(f"mindspeed_line={line!r}: one of {', '.join(MINDSPEED_LINES)}")
-    _line["mindspeed"] = line
+# --------------------------------------------------------------------------- MindSpeed's op builders
+# mindspeed/op_builder/builder.py and the builders of the ops the stand-ins emulate
+# (npu_moe_token_(un)permute_builder.py, gmm_builder.py, npu_rotary_position_embedding_builder.py):
+# ``load()`` returns the JIT-built extension (``_jit.load``), cached per builder name as
+# MindSpeed's ``_loaded_ops``; ``AS_LIBRARY`` is the emulation's ``Library("mindspeed", "DEF")``
+# (``_jit.library()``, owned by install / uninstall).
 
 
-def _torch_check(ok: bool, *parts: object) -> None:
-    """MindSpeed's ``TORCH_CHECK``: a RuntimeError with its message."""
-    if not ok:
-        raise RuntimeError("".join(str(p) for p in parts))
+def _op_builder_base(module: types.ModuleType) -> list[Any]:
+    module.ASCEND_HOME_PATH = "ASCEND_HOME_PATH"  # type: ignore[attr-defined]
+    module.AS_LIBRARY = _jit.library()  # type: ignore[attr-defined]
+
+    class MindSpeedOpBuilder:
+        _loaded_ops: dict[str, Any] = {}
+
+        def __init__(self, name):  # type: ignore[no-untyped-def]
+            self.name = name
+
+        def register_op_proto(self, op_proto):  # type: ignore[no-untyped-def]
+            if isinstance(op_proto, str):
+                op_proto = [op_proto]
+            for proto in op_proto:
+                module.AS_LIBRARY.define(proto)  # type: ignore[attr-defined]
+
+        def sources(self):  # type: ignore[no-untyped-def]
+            raise NotImplementedError
+
+        def load(self, verbose=True):  # type: ignore[no-untyped-def]
+            if self.name in MindSpeedOpBuilder._loaded_ops:
+                return MindSpeedOpBuilder._loaded_ops[self.name]
+            op_module = _jit.load(self.name)  # torch.utils.cpp_extension.load(name=self.name, ...)
+            MindSpeedOpBuilder._loaded_ops[self.name] = op_module
+            return op_module
+
+    return [MindSpeedOpBuilder]
 
 
-def _scalar(t: torch.Tensor) -> str:  # how c10 prints a ScalarType
-    return {torch.bfloat16: "BFloat16", torch.float16: "Half", torch.float32: "Float",
-            torch.int32: "Int", torch.int64: "Long"}.get(t.dtype, str(t.dtype))
+_GMM_PROTO: tuple[str, ...] = (
+    "npu_gmm.Tensor(Tensor original_weight, Tensor x, Tensor weight, *, Tensor? bias=None, Tensor? group_list=None, int? group_type=0, bool? gemm_fusion=False) -> Tensor",
+    "npu_gmm.List(Tensor original_weight, Tensor x, Tensor weight, *, Tensor? bias=None, int[]? group_list=None, int? group_type=0, bool? gemm_fusion=False) -> Tensor",
+)
+_GMM_V2_PROTO: tuple[str, ...] = (
+    "npu_gmm_v2.Tensor(Tensor original_weight, Tensor x, Tensor weight, *, Tensor? bias=None, Tensor? group_list=None, int? group_type=0, bool? gemm_fusion=False) -> Tensor",
+)
+"""gmm_builder.py's OP_PROTO (MindSpeed master 028de58ca629), verbatim."""
 
 
-def _master_unpermute_checks(permuted_tokens: Any, sorted_indices: Any, probs: Any) -> None:
-    """MindSpeed master ``npu_moe_token_unpermute.cpp``'s forward checks (dtypes), verbatim."""
-    _torch_check(permuted_tokens.dtype == torch.bfloat16, "Input tensor permuted_tokens dtype [",
-                 _scalar(permuted_tokens), "] is invalid, should be bfloat16")
-    _torch_check(sorted_indices.dtype == torch.int32, "Input tensor sorted_indices dtype [",
-                 _scalar(sorted_indices), "] is invalid, should be int32")
-    if probs is not None:
-        _torch_check(probs.dtype == torch.bfloat16, "Input tensor probs dtype [", _scalar(probs),
-                     "] is invalid, should be bfloat16")
+def _gmm_meta(original_weight, x, weight, *, bias=None, group_list=None, group_type=0, gemm_fusion=False):  # type: ignore[no-untyped-def]
+    """gmm_builder.py's Meta kernel (``register_op_ir``)."""
+    return x.new_empty((x.shape[0], weight.shape[-1]), dtype=x.dtype)
 
 
-def npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_mode=False, restore_shape=None):  # type: ignore[no-untyped-def]
-    """MindSpeed's JIT-built unpermute op (emulated by ``torch.ops.npu.npu_moe_token_unpermute``);
-    on the ``master`` line with MindSpeed's own dtype checks first."""
-    if _line["mindspeed"] == "master":
-        _master_unpermute_checks(permuted_tokens, sorted_indices, probs)
-    return _npu().npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs, padded_mode, restore_shape)
+def _op_builders() -> list[Any]:
+    from mindspeed.op_builder.builder import AS_LIBRARY, MindSpeedOpBuilder  # type: ignore[import-not-found]
+
+    class MoeTokenUnpermuteOpBuilder(MindSpeedOpBuilder):  # type: ignore[misc]
+        OP_NAME = "npu_moe_token_unpermute"
+
+        def __init__(self):  # type: ignore[no-untyped-def]
+            super().__init__(self.OP_NAME)
+
+        def sources(self):  # type: ignore[no-untyped-def]
+            return ["ops/csrc/cann/npu_moe_token_unpermute.cpp"]
+
+    class MoeTokenPermuteOpBuilder(MindSpeedOpBuilder):  # type: ignore[misc]
+        OP_NAME = "npu_moe_token_permute"
+
+        def __init__(self):  # type: ignore[no-untyped-def]
+            super().__init__(self.OP_NAME)
+
+        def sources(self):  # type: ignore[no-untyped-def]
+            return ["ops/csrc/cann/npu_moe_token_permute.cpp"]
+
+    class RotaryPositionEmbeddingOpBuilder(MindSpeedOpBuilder):  # type: ignore[misc]
+        OP_NAME = "npu_rotary_position_embedding"
+
+        def __init__(self):  # type: ignore[no-untyped-def]
+            super().__init__(self.OP_NAME)
+
+        def sources(self):  # type: ignore[no-untyped-def]
+            return ["ops/csrc/cann/npu_rotary_position_embedding.cpp"]
+
+    class GMMOpBuilder(MindSpeedOpBuilder):  # type: ignore[misc]
+        OP_NAME = "grouped_matmul"
+        OP_PROTO = _GMM_PROTO
+
+        def __init__(self):  # type: ignore[no-untyped-def]
+            super().__init__(self.OP_NAME)
+            self.register_op_proto(self.OP_PROTO)
+            self.register_op_ir()
+
+        def sources(self):  # type: ignore[no-untyped-def]
+            return ["ops/csrc/cann/gmm.cpp", "ops/csrc/flop_counter/flop_counter.cpp"]
+
+        def register_op_ir(self):  # type: ignore[no-untyped-def]
+            AS_LIBRARY.impl("npu_gmm.Tensor", _gmm_meta, "Meta")  # (and torchair's converter)
+
+    class GMMV2OpBuilder(GMMOpBuilder):
+        OP_NAME = "grouped_matmul_v2"
+        OP_PROTO = _GMM_V2_PROTO
+
+        def register_op_ir(self):  # type: ignore[no-untyped-def]
+            AS_LIBRARY.impl("npu_gmm_v2.Tensor", _gmm_meta, "Meta")
+
+    return [MoeTokenUnpermuteOpBuilder, MoeTokenPermuteOpBuilder, RotaryPositionEmbeddingOpBuilder,
+            GMMOpBuilder, GMMV2OpBuilder]
 
 
-def npu_moe_token_permute(tokens, indices, num_out_tokens=None, padded_mode=False):  # type: ignore[no-untyped-def]
-    """MindSpeed's JIT-built permute op (emulated by ``torch.ops.npu.npu_moe_token_permute``);
-    on the ``master`` line with MindSpeed's own dtype checks first."""
-    if _line["mindspeed"] == "master":
-        _torch_check(tokens.dtype == torch.bfloat16, "Input tensor tokens dtype [",
-                     _scalar(tokens), "] is invalid, should be bfloat16")
-        _torch_check(indices.dtype in (torch.int64, torch.int32), "Input tensor indices dtype [",
-                     _scalar(indices), "] is invalid, should be int64 or int32")
-    return _npu().npu_moe_token_permute(tokens, indices, num_out_tokens, padded_mode)
+# --------------------------------------------------------------------------- mindspeed.ops over them
+# The Python of mindspeed/ops/npu_moe_token_(un)permute.py, gmm.py and
+# npu_rotary_position_embedding.py (MindSpeed master 028de58ca629): a module-level builder, the
+# extension loaded at each call.  The signatures equal MindSpeed's (the facts file's MindSpeed
+# table) and are left unannotated on purpose: ``str(inspect.signature(f))`` must read exactly
+# like the table.
 
 
-def _group_list_tensor(group_list: Any, x: torch.Tensor) -> torch.Tensor | None:
-    if group_list is None or isinstance(group_list, torch.Tensor):
-        return group_list  # a tensor passes untouched: its dtype is the caller's business
-    return torch.tensor(list(group_list), dtype=torch.int64, device=x.device)
+def _unpermute_module(module: types.ModuleType) -> list[Any]:
+    from mindspeed.op_builder import MoeTokenUnpermuteOpBuilder  # type: ignore[import-not-found]
+
+    module.moe_token_unpermute_op_builder = MoeTokenUnpermuteOpBuilder()  # type: ignore[attr-defined]
+
+    def npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_mode=False, restore_shape=None):  # type: ignore[no-untyped-def]
+        """MindSpeed's unpermute: its JIT-built extension (``_jit``: on ``master`` MindSpeed's
+        own bf16 / int32 checks, forward and backward; on ``core_r0.8.0`` ranks only, and an
+        fp32 cast when probs is fp32), which calls the CANN kernel directly."""
+        moe_token_unpermute_ops = module.moe_token_unpermute_op_builder.load()  # type: ignore[attr-defined]
+        return moe_token_unpermute_ops.npu_moe_token_unpermute(
+            permuted_tokens, sorted_indices, probs, padded_mode, restore_shape)
+
+    return [npu_moe_token_unpermute]
 
 
-def _gmm(x: torch.Tensor, weight: torch.Tensor, bias: Any, group_list: Any, group_type: int, group_list_type: int) -> torch.Tensor:
-    outs = _npu().npu_grouped_matmul(
-        [x],
-        [weight],
-        bias=[bias] if bias is not None else None,
-        group_list=_group_list_tensor(group_list, x),
-        split_item=3,
-        group_type=group_type,
-        group_list_type=group_list_type,
-    )
-    return outs[0]
+def _permute_module(module: types.ModuleType) -> list[Any]:
+    from mindspeed.op_builder import MoeTokenPermuteOpBuilder  # type: ignore[import-not-found]
+
+    module.moe_token_permute_op_builder = MoeTokenPermuteOpBuilder()  # type: ignore[attr-defined]
+
+    def npu_moe_token_permute(tokens, indices, num_out_tokens=None, padded_mode=False):  # type: ignore[no-untyped-def]
+        """MindSpeed's permute: its JIT-built extension (``_jit``; on ``master`` bf16 tokens and
+        int64 / int32 indices checked, forward and backward)."""
+        moe_token_permute_ops = module.moe_token_permute_op_builder.load()  # type: ignore[attr-defined]
+        return moe_token_permute_ops.npu_moe_token_permute(tokens, indices, num_out_tokens, padded_mode)
+
+    return [npu_moe_token_permute]
 
 
-def npu_gmm(x, weight, *, bias=None, group_list=None, group_type=0, gemm_fusion=False, original_weight=None):  # type: ignore[no-untyped-def]
-    """MindSpeed's grouped matmul: ``group_list`` holds cumulative row ends (group_list_type 0).
+def _rope_module(module: types.ModuleType) -> list[Any]:
+    from mindspeed.op_builder import RotaryPositionEmbeddingOpBuilder  # type: ignore[import-not-found]
 
-    ``gemm_fusion`` / ``original_weight`` (fused weight-gradient accumulation) are ignored.
-    """
-    return _gmm(x, weight, bias, group_list, group_type, 0)
+    module.rope_op_builder = RotaryPositionEmbeddingOpBuilder()  # type: ignore[attr-defined]
+
+    def npu_rotary_position_embedding(x, cos, sin, mode=0):  # type: ignore[no-untyped-def]
+        """MindSpeed's RoPE (its JIT-built extension): mode 0 rotates halves, mode 1
+        interleaved pairs (the kernel of ``npu_rotary_mul``)."""
+        rope_ops = module.rope_op_builder.load()  # type: ignore[attr-defined]
+        return rope_ops.npu_rotary_position_embedding(x, cos, sin, mode)
+
+    return [npu_rotary_position_embedding]
 
 
-def npu_gmm_v2(x, weight, *, bias=None, group_list=None, group_type=0, gemm_fusion=False, original_weight=None):  # type: ignore[no-untyped-def]
-    """Like :func:`npu_gmm`, but ``group_list`` holds per-group row counts (group_list_type 1)."""
-    return _gmm(x, weight, bias, group_list, group_type, 1)
+def _gmm_module(module: types.ModuleType) -> list[Any]:
+    """mindspeed/ops/gmm.py: ``npu_gmm`` checks its arguments in Python and calls
+    ``torch.ops.mindspeed.npu_gmm`` (``_v2``), whose kernel (registered here for PrivateUse1
+    as MindSpeed does, and for CPU: the emulation's tensors) runs ``GMMFunction`` over the JIT
+    extension.  No Autograd kernel: torch's autograd fallback, as on the NPU."""
+    from mindspeed.op_builder import GMMOpBuilder, GMMV2OpBuilder  # type: ignore[import-not-found]
+    from mindspeed.op_builder.builder import AS_LIBRARY  # type: ignore[import-not-found]
+    from mindspeed.ops.npu_groupmatmul_add import npu_groupmatmul_add_fp32  # type: ignore[import-not-found]
 
+    def check_optional_tensor(tensor, device, name):  # type: ignore[no-untyped-def]
+        if not isinstance(tensor, (torch.Tensor, type(None))):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(tensor)}.")
+        if isinstance(tensor, torch.Tensor) and tensor.device != device:
+            raise RuntimeError(
+                f"Expected all tensors to be on the same device, but found at least two devices, "
+                f"{device}(arg0) and {tensor.device}({name})!")
 
-def npu_rotary_position_embedding(x, cos, sin, mode=0):  # type: ignore[no-untyped-def]
-    """MindSpeed's RoPE: mode 0 rotates halves, mode 1 interleaved pairs (``npu_rotary_mul``)."""
-    return _npu().npu_rotary_mul(x, cos, sin, "half" if mode == 0 else "interleave")
+    class GMMFunction(torch.autograd.Function):
+        builder = GMMOpBuilder()
+        builder2 = GMMV2OpBuilder()
+
+        @staticmethod
+        def forward(ctx, original_weight, x, weight, bias, group_args):  # type: ignore[no-untyped-def]
+            group_list, group_type, gemm_fusion, group_list_type, group_list_data_type = group_args
+            if bias is not None and bias.requires_grad:
+                raise ValueError("Bias is not supported to compute gradient!")
+            if (x.requires_grad or weight.requires_grad) and group_type != 0:
+                raise ValueError("group_type must be zero to compute gradients of x and weight!")
+            bias = [] if bias is None else [bias]
+            if group_list_type == 0:
+                outputs = GMMFunction.builder.load().npu_gmm([x], [weight], bias, group_list, group_type, group_list_type)
+            elif group_list_type == 1:
+                outputs = GMMFunction.builder2.load().npu_gmm([x], [weight], bias, group_list, group_type, group_list_type)
+            if group_list_data_type == 0:
+                ctx.save_for_backward(x, weight, original_weight)
+                ctx.group_list = group_list
+            else:
+                ctx.save_for_backward(x, weight, group_list, original_weight)
+            ctx.gemm_fusion = gemm_fusion
+            ctx.group_list_type = group_list_type
+            ctx.group_list_data_type = group_list_data_type
+            return outputs[0]
+
+        @staticmethod
+        def backward(ctx, grad_outputs):  # type: ignore[no-untyped-def]
+            if ctx.group_list_data_type == 0:
+                x, weight, original_weight = ctx.saved_tensors
+                group_list = ctx.group_list
+            else:
+                x, weight, group_list, original_weight = ctx.saved_tensors
+            builder = GMMFunction.builder if ctx.group_list_type == 0 else GMMFunction.builder2
+            if ctx.gemm_fusion:
+                dx, _, dbias = builder.load().npu_gmm_backward_fusion(
+                    [grad_outputs], [weight], group_list, ctx.group_list_type)
+                cumulative = group_list if ctx.group_list_type == 0 else torch.cumsum(group_list, dim=0)
+                npu_groupmatmul_add_fp32(x, grad_outputs, cumulative, original_weight.main_grad)
+                dbias = None if len(dbias) == 0 else dbias[0]
+                if hasattr(original_weight, "grad_added_to_main_grad"):
+                    grad_weight = torch.zeros(weight.shape, dtype=x.dtype, device=x.device,
+                                              requires_grad=False)  # MindSpeed: on the current device
+                    original_weight.grad_added_to_main_grad = True
+                else:
+                    grad_weight = None
+                return None, dx[0], grad_weight, dbias, None
+            dx, dw, dbias = builder.load().npu_gmm_backward(
+                [grad_outputs], [x], [weight], group_list, ctx.group_list_type)
+            dbias = None if len(dbias) == 0 else dbias[0]
+            return None, dx[0], dw[0], dbias, None
+
+    def npu_gmm_param_verification(x, weight, *, bias=None, group_list=None, group_type=0, group_list_type=0):  # type: ignore[no-untyped-def]
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"arg0 must be a torch.Tensor, got {type(x)}.")
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(f"arg1 must be a torch.Tensor, got {type(weight)}.")
+        if not isinstance(bias, (torch.Tensor, type(None))):
+            raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias)}.")
+        if group_list_type == 0:
+            if not (
+                isinstance(group_list, (torch.Tensor, type(None)))
+                or (isinstance(group_list, list) and all(isinstance(x, int) for x in group_list))
+            ):
+                raise TypeError(f"group_list must be a List of int64, torch.Tensor or None, got {type(group_list)}.")
+        else:
+            if not (isinstance(group_list, (torch.Tensor, type(None)))):
+                raise TypeError(f"group_list must be a torch.Tensor or None, got {type(group_list)}.")
+        if isinstance(group_list, torch.Tensor):
+            if len(group_list.shape) > 1:
+                raise ValueError(f"If group_list is not None, it must be an one-dimensional tensor, "
+                                 f"got dimension of group_list: {len(group_list.shape)}!")
+            if group_list.dtype != torch.int64:
+                raise TypeError(f"group_list must be a List of int64, got group_list type: {type(group_list)}, "
+                                f"dtype: {group_list.dtype}!")
+        if not isinstance(group_type, (int, type(None))):
+            raise TypeError(f"group_type must be an int or None, got {type(group_type)}.")
+        x_device = x.device
+        device_warning = "Expected all tensors to be on the same device, but found at least two devices"
+        if weight.device != x_device:
+            raise RuntimeError(f"{device_warning}, {x_device}(arg0) and {weight.device}(arg1)!")
+        if bias is not None and bias.device != x_device:
+            raise RuntimeError(f"{device_warning}, {x_device}(arg0) and {bias.device}(bias)!")
+        if isinstance(group_list, torch.Tensor) and group_list.device != x_device:
+            raise RuntimeError(f"{device_warning}, {x_device}(arg0) and {group_list.device}(group_list)!")
+
+    def _npu_gmm_common(original_weight, x, weight, *, bias=None, group_list=None, group_type=0, group_list_type=0, gemm_fusion=False):  # type: ignore[no-untyped-def]
+        support_dtype = [torch.float16, torch.bfloat16, torch.float32]
+        if weight.dtype not in support_dtype:
+            raise TypeError(f"Only support non quant case, but got weight dtype {weight.dtype}.")
+        npu_gmm_param_verification(x, weight, bias=bias, group_list=group_list, group_type=group_type,
+                                   group_list_type=group_list_type)
+        if group_list_type == 0:
+            return torch.ops.mindspeed.npu_gmm(original_weight, x, weight, bias=bias, group_list=group_list, group_type=group_type, gemm_fusion=gemm_fusion)
+        elif group_list_type == 1:
+            return torch.ops.mindspeed.npu_gmm_v2(original_weight, x, weight, bias=bias, group_list=group_list, group_type=group_type, gemm_fusion=gemm_fusion)
+        else:
+            raise ValueError(f"group_list_type must be 0 or 1, but got {group_list_type}.")
+
+    def _npu_gmm(original_weight, x, weight, *, bias=None, group_list=None, group_type=0, gemm_fusion=False):  # type: ignore[no-untyped-def]
+        if isinstance(group_list, (torch.Tensor, type(None))):
+            group_list_data_type = 1
+        else:
+            group_list_data_type = 0
+        group_args = (group_list, group_type, gemm_fusion, 0, group_list_data_type)
+        return GMMFunction.apply(original_weight, x, weight, bias, group_args)
+
+    def npu_gmm(x, weight, *, bias=None, group_list=None, group_type=0, gemm_fusion=False, original_weight=None):  # type: ignore[no-untyped-def]
+        """MindSpeed's grouped matmul: ``group_list`` holds cumulative row ends
+        (``torch.ops.mindspeed.npu_gmm``)."""
+        return _npu_gmm_common(original_weight, x, weight, bias=bias, group_list=group_list, group_type=group_type, group_list_type=0, gemm_fusion=gemm_fusion)
+
+    def _npu_gmm_v2(original_weight, x, weight, *, bias=None, group_list=None, group_type=0, gemm_fusion=False):  # type: ignore[no-untyped-def]
+        group_args = (group_list, group_type, gemm_fusion, 1, 1)
+        return GMMFunction.apply(original_weight, x, weight, bias, group_args)
+
+    def npu_gmm_v2(x, weight, *, bias=None, group_list=None, group_type=0, gemm_fusion=False, original_weight=None):  # type: ignore[no-untyped-def]
+        """Like :func:`npu_gmm`, but ``group_list`` holds per-group row counts
+        (``torch.ops.mindspeed.npu_gmm_v2``)."""
+        return _npu_gmm_common(original_weight, x, weight, bias=bias, group_list=group_list, group_type=group_type, group_list_type=1, gemm_fusion=gemm_fusion)
+
+    # @impl(AS_LIBRARY, "npu_gmm.List" / "npu_gmm.Tensor" / "npu_gmm_v2.Tensor", "PrivateUse1")
+    for key in ("PrivateUse1", "CPU"):
+        AS_LIBRARY.impl("npu_gmm.List", _npu_gmm, key)
+        AS_LIBRARY.impl("npu_gmm.Tensor", _npu_gmm, key)
+        AS_LIBRARY.impl("npu_gmm_v2.Tensor", _npu_gmm_v2, key)
+    helpers = [check_optional_tensor, GMMFunction, npu_gmm_param_verification, _npu_gmm_common,
+               _npu_gmm, _npu_gmm_v2]
+    for obj in helpers:
+        obj.__module__ = module.__name__
+        obj.__qualname__ = obj.__name__
+        setattr(module, obj.__name__, obj)
+    return [npu_gmm, npu_gmm_v2]
 
 
 def npu_fusion_attention(query, key, value, head_num, input_layout, *, pse=None, padding_mask=None, atten_mask=None, scale=1., keep_prob=1., pre_tokens=2147483647, next_tokens=2147483647, inner_precise=0, prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True, sync=False, pse_type=1, q_start_idx=None, kv_start_idx=None):  # type: ignore[no-untyped-def]
@@ -540,6 +764,90 @@ def _mc2_linear_function() -> list[Any]:
     return [ColumnSeqParallelLinearFunction]
 
 
+def _te_permutation() -> list[Any]:
+    """MoePermuteMaskMap / MoeUnpermuteMaskMap of mindspeed/te/pytorch/permutation.py (MindSpeed
+    2.2+, master 028de58ca629; ``fused_moe_permute.(un)permute(fused=True)`` applies them), as
+    MindSpeed writes them: Python over torch_npu's routing-map ops, looked up on the
+    ``torch_npu`` module at each call; the unpermute calls the *internal*
+    ``torch_npu._npu_moe_token_unpermute_with_routing_map``.  Their backward calls the
+    routing-map grad ops (``npu_moe_token_(un)permute_with_routing_map_grad``), which the
+    emulation does not register yet: a backward through them fails with AttributeError."""
+    import torch_npu  # type: ignore[import-not-found]  # the stand-in
+
+    class MoePermuteMaskMap(torch.autograd.Function):
+        """functional Permute with mask router map"""
+
+        @staticmethod
+        def forward(ctx, tokens, routing_map, probs=None, num_out_tokens=None, drop_and_pad=False):  # type: ignore[no-untyped-def]
+            permuted_input, permuted_probs, sorted_indices = torch_npu.npu_moe_token_permute_with_routing_map(
+                tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens, drop_and_pad=drop_and_pad)
+            num_tokens, _ = tokens.shape
+            num_experts = routing_map.shape[1]
+            ctx.num_tokens = num_tokens
+            ctx.num_experts = num_experts
+            ctx.drop_and_pad = drop_and_pad
+            ctx.sorted_indices = sorted_indices
+            ctx.routing_map = routing_map
+            return permuted_input, permuted_probs, sorted_indices
+
+        @staticmethod
+        def backward(ctx, permuted_act_grad, permuted_probs_grad, _):  # type: ignore[no-untyped-def]
+            act_grad = None
+            probs_grad = None
+            if ctx.needs_input_grad[0]:
+                act_grad, probs_grad = torch_npu.npu_moe_token_permute_with_routing_map_grad(
+                    permuted_act_grad, permuted_probs_grad, ctx.sorted_indices, ctx.routing_map,
+                    ctx.num_experts, ctx.num_tokens, ctx.drop_and_pad)
+            if not ctx.needs_input_grad[2]:
+                probs_grad = None
+            return act_grad, None, probs_grad, None, None
+
+    class MoeUnpermuteMaskMap(torch.autograd.Function):
+        """functional Unpermute with mask router map"""
+
+        @staticmethod
+        def forward(ctx, permuted_tokens, sorted_indices, restore_shape, probs=None, routing_map=None, drop_and_pad=False):  # type: ignore[no-untyped-def]
+            if not permuted_tokens.numel():
+                ctx.probs = probs
+                return permuted_tokens
+            unpermuted_output, out_index, permuted_token_id, _ = torch_npu._npu_moe_token_unpermute_with_routing_map(
+                permuted_tokens, sorted_indices, restore_shape, probs=probs, routing_map=routing_map,
+                drop_and_pad=drop_and_pad)
+            with_probs = probs is not None
+            if with_probs:
+                ctx.save_for_backward(permuted_tokens, probs)
+            ctx.restore_shape = restore_shape
+            ctx.drop_and_pad = drop_and_pad
+            ctx.sorted_indices = sorted_indices
+            ctx.routing_map = routing_map
+            ctx.out_index = out_index
+            ctx.permuted_token_id = permuted_token_id
+            ctx.with_probs = with_probs
+            return unpermuted_output
+
+        @staticmethod
+        def backward(ctx, unpermuted_tokens_grad):  # type: ignore[no-untyped-def]
+            if not unpermuted_tokens_grad.numel():
+                return unpermuted_tokens_grad, None, None, ctx.probs, None, None
+            act_grad = None
+            probs_grad = None
+            if ctx.needs_input_grad[0]:
+                permuted_tokens, probs = None, None
+                if ctx.with_probs:
+                    permuted_tokens, probs = ctx.saved_tensors
+                out_index = ctx.out_index if ctx.drop_and_pad else ctx.sorted_indices
+                token_id = ctx.permuted_token_id if ctx.drop_and_pad else ctx.sorted_indices
+                act_grad, probs_grad = torch_npu.npu_moe_token_unpermute_with_routing_map_grad(
+                    unpermuted_tokens_grad, out_index, token_id, routing_map=ctx.routing_map,
+                    permuted_tokens=permuted_tokens, probs=probs, drop_and_pad=ctx.drop_and_pad,
+                    restore_shape=ctx.restore_shape)
+            if not ctx.needs_input_grad[3]:
+                probs_grad = None
+            return act_grad, None, None, probs_grad, None, None
+
+    return [MoePermuteMaskMap, MoeUnpermuteMaskMap]
+
+
 def _own(module: types.ModuleType, objects: list[Any]) -> None:
     """Put classes and functions built for ``module`` into it, named as MindSpeed names them."""
     for obj in objects:
@@ -593,17 +901,25 @@ class _Builders:
     def mindspeed_ops(self, module: types.ModuleType) -> None:
         module.__doc__ = "opcontracts emulation of mindspeed.ops."
 
+    def op_builder_base(self, module: types.ModuleType) -> None:
+        _own(module, _op_builder_base(module))
+
+    def op_builder(self, module: types.ModuleType) -> None:
+        module.__doc__ = ("opcontracts emulation of mindspeed.op_builder (the builders of the "
+                          "JIT-built extensions the stand-ins emulate).")
+        _own(module, _op_builders())
+
     def unpermute(self, module: types.ModuleType) -> None:
-        _export(module, [npu_moe_token_unpermute])
+        _own(module, _unpermute_module(module))
 
     def permute(self, module: types.ModuleType) -> None:
-        _export(module, [npu_moe_token_permute])
+        _own(module, _permute_module(module))
 
     def gmm(self, module: types.ModuleType) -> None:
-        _export(module, [npu_gmm, npu_gmm_v2])
+        _own(module, _gmm_module(module))
 
     def rope(self, module: types.ModuleType) -> None:
-        _export(module, [npu_rotary_position_embedding])
+        _own(module, _rope_module(module))
 
     def fusion_attention(self, module: types.ModuleType) -> None:
         _export(module, [npu_fusion_attention, npu_fusion_attention_grad])
@@ -636,6 +952,10 @@ class _Builders:
     def linear_function(self, module: types.ModuleType) -> None:
         _own(module, _mc2_linear_function())
 
+    def te_permutation(self, module: types.ModuleType) -> None:
+        module.__doc__ = "MoE Permutaion API"  # (sic, MindSpeed's)
+        _own(module, _te_permutation())
+
     def package(self, module: types.ModuleType) -> None:
         module.__doc__ = (f"opcontracts emulation of {module.__name__} (only the modules "
                           "below it that the stand-ins emulate).")
@@ -645,6 +965,8 @@ class _Builders:
             "torch_npu": self.torch_npu,
             "mindspeed": self.mindspeed,
             "mindspeed.ops": self.mindspeed_ops,
+            "mindspeed.op_builder": self.op_builder,
+            "mindspeed.op_builder.builder": self.op_builder_base,
             "mindspeed.ops.npu_moe_token_unpermute": self.unpermute,
             "mindspeed.ops.npu_moe_token_permute": self.permute,
             "mindspeed.ops.gmm": self.gmm,
@@ -660,6 +982,9 @@ class _Builders:
             **{name: self.package for name in _MC2_PACKAGES},
             "mindspeed.core.transformer.moe.moe_feature.mc2moe.mc2_fuse_a2a": self.mc2_fuse_a2a,
             "mindspeed.core.tensor_parallel.mc2_feature.linear_function": self.linear_function,
+            "mindspeed.te": self.package,
+            "mindspeed.te.pytorch": self.package,
+            "mindspeed.te.pytorch.permutation": self.te_permutation,
         }
 
 

@@ -29,6 +29,7 @@ from ._util import fit, gather_rows, safe_index, scatter_add_rows
 __all__ = [
     "fusion_attention_backward",
     "grouped_matmul_backward",
+    "internal_unpermute_with_routing_map_backward",
     "permute_with_routing_map_backward",
     "rms_norm_backward",
     "rotary_mul_backward",
@@ -135,6 +136,14 @@ def unpermute_with_routing_map_backward(
                 result["probs"] = fit(per_row.view(-1), probs.numel()).view(probs.shape).to(probs.dtype)
     result["permuted_tokens"] = grad_permuted.to(permuted.dtype)
     return result
+
+
+def internal_unpermute_with_routing_map_backward(
+    inputs: dict[str, Any], outputs: Any, grads: Any
+) -> dict[str, Any]:
+    """``_npu_moe_token_unpermute_with_routing_map``: the public op's formula on the output (the
+    other three outputs are not differentiable)."""
+    return unpermute_with_routing_map_backward(inputs, outputs[0], grads[0])
 
 
 _GMM_QUANT = ("scale", "offset", "antiquant_scale", "antiquant_offset", "per_token_scale")

@@ -23,6 +23,7 @@ from ._util import acc_dtype, fit, gather_rows, safe_index, scatter_add_rows
 
 __all__ = [
     "_npu_moe_token_unpermute",
+    "_npu_moe_token_unpermute_with_routing_map",
     "npu_moe_compute_expert_tokens",
     "npu_moe_finalize_routing",
     "npu_moe_gating_top_k_softmax",
@@ -339,6 +340,41 @@ def npu_moe_token_unpermute_with_routing_map(
         owner = torch.arange(rows.size(0), device=rows.device) // max(topk, 1)
         out = scatter_add_rows(out, owner, rows)
     return out.to(permuted_tokens.dtype)
+
+
+def _npu_moe_token_unpermute_with_routing_map(
+    permuted_tokens: torch.Tensor,
+    sorted_indices: torch.Tensor,
+    restore_shape: Sequence[int],
+    *,
+    probs: torch.Tensor | None = None,
+    routing_map: torch.Tensor | None = None,
+    drop_and_pad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``npu_moe_token_unpermute_with_routing_map``'s kernel as the internal op torch_npu routes
+    it through (from 2.6.0.post3; MindSpeed 2.2+'s ``te/pytorch/permutation.py`` calls it
+    directly): (output, out_index, permuted_token_id, permute_probs).
+
+    The output is the public op's.  The other three are what the kernel's backward reads; their
+    shapes and dtypes are the op-plugin adaptor's allocations (``out_index`` and
+    ``permuted_token_id`` like ``sorted_indices``; ``permute_probs`` ``sorted_indices``' shape in
+    probs' dtype, empty in permuted_tokens' dtype without probs).  Their values are not known
+    from the wheels: here both index outputs are ``sorted_indices`` (what MindSpeed passes for
+    both without ``drop_and_pad``) and ``permute_probs`` each permuted row's prob.  None of the
+    three is differentiable (saved for backward only)."""
+    out = npu_moe_token_unpermute_with_routing_map(
+        permuted_tokens, sorted_indices, restore_shape, probs=probs, routing_map=routing_map,
+        drop_and_pad=drop_and_pad)
+    index = sorted_indices.detach().clone()
+    if probs is None:
+        permute_probs = permuted_tokens.new_empty((0,))
+    else:
+        weights = routing_unpermute_weights(sorted_indices, probs.detach(), routing_map,
+                                            drop_and_pad, permuted_tokens.size(0))
+        assert weights is not None
+        permute_probs = fit(weights, sorted_indices.numel()).to(probs.dtype).view(
+            sorted_indices.shape)
+    return out, index, index.clone(), permute_probs
 
 
 # --------------------------------------------------------------------------- routing family

@@ -52,6 +52,12 @@ SHIPPED: tuple[Reference, ...] = (
               backward=_grads.unpermute_with_routing_map_backward,
               example=_examples.unpermute_routing,
               source=f"{_DOCS}; CANN aclnnMoeTokenUnpermuteWithRoutingMap"),
+    Reference("_npu_moe_token_unpermute_with_routing_map",
+              _moe._npu_moe_token_unpermute_with_routing_map,
+              backward=_grads.internal_unpermute_with_routing_map_backward,
+              example=_examples.unpermute_routing,
+              source=f"{_DOCS} (npu_moe_token_unpermute_with_routing_map's kernel; torch_npu "
+                     "2.13.0 npu_native_functions_by_codegen.yaml)"),
     # MoE routing family
     Reference("npu_moe_init_routing", _moe.npu_moe_init_routing,
               example=_examples.init_routing, source=f"{_DOCS}; CANN aclnnMoeInitRouting"),

@@ -23,9 +23,11 @@ otherwise                 plain op (kernel at the backend)       ``npu_moe_token
 grad_v2`` (from 2.7.1.                                           (``tokens_size_0``, ``tokens_dtype``,
 post8; 2.12.0 included)                                          ``num_topK``)
 otherwise                 plain op                               ``npu_moe_token_permute_grad``
-``_npu_moe_token_         ``..._with_routing_map`` is            (routing-map grads: the formula,
-unpermute_with_routing_   ``AutogradPrivateUse1`` only, calling  see ``_backward``)
-map`` (from 2.6.0.post3)  the internal op
+``_npu_moe_token_         ``..._with_routing_map`` is            (the emulation: the formula on the
+unpermute_with_routing_   ``AutogradPrivateUse1`` only, calling  internal op, see ``_backward``)
+map`` (from 2.6.0.post3)  the internal op (which also returns
+                          ``out_index``, ``permuted_token_id``,
+                          ``permute_probs``)
 ========================  =====================================  ==================================
 
 The presence of the internal / ``_grad_v2`` op in a release's schemas is what tells the
@@ -53,8 +55,8 @@ class Structure:
     and 2.6.0, so no derivative is assumed)"""
     permute_backward: str | None
     routing_map_internal: str | None
-    """``_npu_moe_token_unpermute_with_routing_map`` when the release has it, else None (recorded;
-    the emulation registers the public routing-map op alone so far)"""
+    """``_npu_moe_token_unpermute_with_routing_map`` when the release has it (the public
+    routing-map unpermute is then autograd-only over it), else None"""
 
     @property
     def internal_ops(self) -> tuple[str, ...]:
@@ -72,7 +74,7 @@ class Structure:
         return {
             "npu_moe_token_permute": present(self.permute_backward),
             "npu_moe_token_unpermute": present(self.unpermute_internal, self.unpermute_backward),
-            # (the routing-map internal op is recorded, not yet emulated nor contracted)
+            "npu_moe_token_unpermute_with_routing_map": present(self.routing_map_internal),
         }
 
     def dispatched(self, op: str) -> str:
