@@ -95,7 +95,10 @@ def test_sentinel_reads_once_per_step_and_names_the_same_culprit(
     assert deferred - bare <= 2 and always - bare <= 2, (bare, deferred, always)
     assert per_call - bare >= 4 * layers  # the counter would see per-call reads
     assert _first(once) == _first(at_call) == _first(always_on)
-    assert once.first.nan == at_call.first.nan > 0  # counted from the tensor kept to the read
+    # counted from the tensor kept to the read (NaN or inf: which one the bf16 backward makes
+    # depends on the CPU's kernels)
+    assert (once.first.nan, once.first.inf) == (at_call.first.nan, at_call.first.inf)
+    assert once.first.counted and once.first.nan + once.first.inf > 0
     assert always_on.first.nan == -1 and not always_on.first.counted
     assert "NaN and inf not counted" in always_on.first.message()
 
