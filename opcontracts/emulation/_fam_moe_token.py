@@ -12,6 +12,9 @@ is an AttributeError there, as on the real stack.  They are backward kernels (op
 ``dtypes`` are CANN's (``cann/ops-transformer``: the ``*_def.cpp`` kernel registrations and the
 aclnn docs): the float tensors bf16 / fp16 / fp32, index tensors int32, ``routing_map`` int8 or
 bool; the coupling of the float tensors' dtypes is the contracts' (per argument here).
+``permuted_token_id`` (int32) is not listed: the kernel reads it only with ``drop_and_pad``
+(without, torch_npu and MindSpeed pass ``sorted_indices`` for it and ``out_index`` alike), so
+in the probe's mode nothing of it can be misread; its contract still checks it.
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ OPS: tuple[EmulatedOp, ...] = (
                source=f"{_CANN.format('permute')}; {_PLUGIN.format('Permute', '')}"),
     EmulatedOp("npu_moe_token_unpermute_with_routing_map_grad", fake=_unpermute_grad_fake,
                dtypes={"unpermuted_tokens_grad": FLOATS, "out_index": INT32,
-                       "permuted_token_id": INT32, "routing_map": MASK,
+                       "routing_map": MASK,
                        "permuted_tokens": FLOATS, "probs": FLOATS},
                release_only=True,
                source=f"{_CANN.format('unpermute')}; {_PLUGIN.format('Unpermute', 'KernelNpu')}"),

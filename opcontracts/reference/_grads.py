@@ -137,6 +137,12 @@ def npu_moe_token_permute_with_routing_map_grad(
 def unpermute_with_routing_map_backward(
     inputs: dict[str, Any], outputs: Any, grads: Any
 ) -> dict[str, Any]:
+    got = _unpermute_routing_grads(inputs, grads)
+    return {name: g.to(inputs[name].dtype) for name, g in got.items()}
+
+
+def _unpermute_routing_grads(inputs: dict[str, Any], grads: torch.Tensor) -> dict[str, Any]:
+    """The routing-map unpermute's gradients in fp32 (``probs``' only with probs)."""
     permuted = inputs["permuted_tokens"]
     sorted_indices = inputs["sorted_indices"]
     probs, routing_map = inputs["probs"], inputs["routing_map"]
@@ -158,7 +164,7 @@ def unpermute_with_routing_map_backward(
             ids, valid = safe_index(sorted_indices, n_tokens)
             grad_t = torch.zeros((n_experts, n_tokens), dtype=_F32, device=g.device)
             grad_t = grad_t.scatter_add(1, ids.view(n_experts, -1), (dots * valid).view(n_experts, -1))
-            result["probs"] = grad_t.T.to(probs.dtype)
+            result["probs"] = grad_t.T
     else:
         topk = max(sorted_indices.numel() // n_tokens, 1) if n_tokens else 1
         owner = torch.arange(sorted_indices.numel(), device=g.device) // topk
@@ -170,10 +176,10 @@ def unpermute_with_routing_map_backward(
             dots = (gather_rows(rows_f, sorted_indices) * g_slots).sum(1, keepdim=True)
             per_row = scatter_add_rows(rows_f.new_zeros((rows_f.size(0), 1)), sorted_indices, dots)
             if routing_map is not None:
-                result["probs"] = _routing_grad_probs(per_row.view(-1), routing_map, probs.dtype)
+                result["probs"] = _routing_grad_probs(per_row.view(-1), routing_map, _F32)
             else:
-                result["probs"] = fit(per_row.view(-1), probs.numel()).view(probs.shape).to(probs.dtype)
-    result["permuted_tokens"] = grad_permuted.to(permuted.dtype)
+                result["probs"] = fit(per_row.view(-1), probs.numel()).view(probs.shape)
+    result["permuted_tokens"] = grad_permuted
     return result
 
 
@@ -210,12 +216,12 @@ def npu_moe_token_unpermute_with_routing_map_grad(
     rows, dtype = out_index.numel(), unpermuted_tokens_grad.dtype
     like = permuted_tokens if permuted_tokens is not None else \
         unpermuted_tokens_grad.new_zeros((rows, unpermuted_tokens_grad.size(1)))
-    got = unpermute_with_routing_map_backward(
+    got = _unpermute_routing_grads(
         {"permuted_tokens": like, "probs": probs, "routing_map": routing_map,
          "drop_and_pad": drop_and_pad,
          "sorted_indices": _row_tokens(out_index, permuted_token_id) if drop_and_pad
          else out_index},
-        None, unpermuted_tokens_grad)
+        unpermuted_tokens_grad)
     grad_probs = got.get("probs")
     return got["permuted_tokens"].to(dtype), grad_probs.to(dtype) if grad_probs is not None else None
 
