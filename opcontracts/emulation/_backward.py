@@ -14,8 +14,9 @@ Two kinds, on purpose:
   ``npu_rotary_mul``'s ``npu_rotary_mul_backward``.
 * The other differentiable ops (routing-map permute/unpermute) run the composite formula of
   their reference (``opcontracts.reference``: ``Reference.backward``) on the saved inputs.
-  (torch_npu has backward kernels for them, the routing-map ``*_grad`` ops: not emulated as ops
-  yet.)
+  (torch_npu's C++ nodes call backward kernels for them, the routing-map ``*_grad`` ops; those
+  are emulated ops, ``_fam_moe_token``, which MindSpeed 2.2+'s ``te/pytorch/permutation.py``
+  calls from its Python backward, but these nodes do not call them yet.)
 
 Every formula: ``(inputs, outputs, grads) -> {argument name: gradient}`` (see ``_autograd``).
 """

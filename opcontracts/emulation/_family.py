@@ -22,6 +22,8 @@ the first dtype listed, as a raw kernel would.  ``backward`` is a formula ``(inp
 grads) -> {arg: grad}``, ``AUTOGRAD`` (autograd through the reference's forward),
 ``NO_DERIVATIVE`` (torch_npu has none: a backward through the op raises, as torch_npu's
 not-implemented fallback does) or None (no autograd kernel: PyTorch's fallback).
+``release_only=True``: only the releases whose schemas have the op define it (the routing-map
+grad ops, from 2.6.0.post3).
 
 Nothing here imports the enforcer: the emulation stays below everything that checks calls.
 """
@@ -50,7 +52,8 @@ NO_DERIVATIVE = "no derivative"
 """``EmulatedOp.backward``: torch_npu registers no derivative; backward through the op raises
 ``RuntimeError: derivative for 'npu::<op>' is not implemented``, as on the NPU."""
 
-FAMILIES = ("_fam_attention", "_fam_norm_quant", "_fam_gemm_comm", "_fam_moe_serving")
+FAMILIES = ("_fam_attention", "_fam_norm_quant", "_fam_gemm_comm", "_fam_moe_serving",
+            "_fam_moe_token")
 """The family modules of this package, in registration order."""
 
 DIGEST_RELEASE = "2.14.0"
@@ -68,6 +71,9 @@ class EmulatedOp:
     backward: BackwardFn | str | None = None
     schema: str | None = None
     source: str = ""
+    release_only: bool = False
+    """defined only in the releases whose schemas (the wheel digest) have the op, with that
+    release's schema (``_ops.register``)"""
 
     def profile(self, name: str) -> dict[str, tuple[str, ...]]:
         """The dtypes this kernel reads correctly under profile ``name``."""

@@ -13,8 +13,8 @@ Per op the registration is:
 * for differentiable ops, an ``Autograd`` kernel (``_autograd``) running ``_backward``'s formula.
 
 What differs by torch_npu release is registered per release (``register(release)``,
-``_release``): the internal and ``_grad_v2`` ops only where the release defines them (with its
-schemas), the public unpermute (and routing-map unpermute) as an autograd-only kernel calling
+``_release``): the internal and ``_grad_v2`` ops (and the release-only family ops: the
+routing-map ``*_grad`` ops) only where the release defines them (with its schemas), the public unpermute (and routing-map unpermute) as an autograd-only kernel calling
 ``_npu_moe_token_unpermute`` (``_npu_moe_token_unpermute_with_routing_map``) where it is one
 (``_nodes``), and the permute / unpermute backward through the release's grad op,
 captured once as an ``OpOverload`` (``_captured``).
@@ -91,20 +91,24 @@ OPS: tuple[OpDef, ...] = tuple(
         kernel=_reference(name),
         fake=getattr(_fakes, name),
         backward=BACKWARDS.get(name),
+        release_only=name in _release.RELEASE_ONLY,
     )
     for name in _FIRST_PACKS
 ) + tuple(
     OpDef(name=op.name, schema=SCHEMAS[op.name], kernel=_reference(op.name), fake=op.fake,
-          backward=backward_of(op))
+          backward=backward_of(op), release_only=op.release_only)
     for op in all_ops()
 )
 # The ops later releases route the MoE token ops through: same aclnn kernels (and profiles:
-# ``_profiles``) as the public / ``_grad`` ops, schemas from the installed release (``_release``).
-_RELEASE_OPS = tuple(_release.SAME_KERNEL)
+# ``_profiles``) as the public / ``_grad`` ops, schemas from the installed release (``_release``);
+# with the family ops only some releases define (``EmulatedOp.release_only``), the release-only
+# ops, defined where the installed release's schemas have them.
+_RELEASE_OPS = (*_release.SAME_KERNEL, *sorted(_release.RELEASE_ONLY),
+                *(op.name for op in all_ops() if op.release_only))
 OPS += tuple(
     OpDef(name=name, schema=digest_schema(name), kernel=_reference(name), fake=getattr(_fakes, name),
           release_only=True)
-    for name in _RELEASE_OPS
+    for name in _release.SAME_KERNEL
 )
 OP_NAMES: tuple[str, ...] = tuple(op.name for op in OPS)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from ..wheel.structure import Structure, structure
 
-__all__ = ["INTERNAL_OF", "NO_DERIVATIVE_OPS", "SAME_KERNEL", "Structure", "structure"]
+__all__ = ["INTERNAL_OF", "NO_DERIVATIVE_OPS", "RELEASE_ONLY", "SAME_KERNEL", "Structure",
+           "structure"]
 
 NO_DERIVATIVE_OPS = frozenset({
     "npu_grouped_matmul", "npu_all_gather_base_mm", "npu_alltoallv_gmm", "npu_gmm_alltoallv",
@@ -31,3 +32,11 @@ INTERNAL_OF = {
 }
 """Public op -> the internal op its ``AutogradPrivateUse1``-only kernel calls, in the releases
 that define the internal op (``Structure.unpermute_internal`` / ``routing_map_internal``)."""
+
+RELEASE_ONLY = frozenset({
+    "npu_moe_token_permute_with_routing_map", "npu_moe_token_unpermute_with_routing_map",
+})
+"""Ops of the first packs only some releases define (the routing-map ops: from 2.6.0.post3, the
+wheel digest): registered where the release's schemas have them, so on an older release
+``torch_npu.npu_moe_token_permute_with_routing_map`` is an AttributeError, as on the real stack
+(the family ops say the same with ``EmulatedOp.release_only``)."""

@@ -770,8 +770,9 @@ def _te_permutation() -> list[Any]:
     MindSpeed writes them: Python over torch_npu's routing-map ops, looked up on the
     ``torch_npu`` module at each call; the unpermute calls the *internal*
     ``torch_npu._npu_moe_token_unpermute_with_routing_map``.  Their backward calls the
-    routing-map grad ops (``npu_moe_token_(un)permute_with_routing_map_grad``), which the
-    emulation does not register yet: a backward through them fails with AttributeError."""
+    routing-map grad ops (``npu_moe_token_(un)permute_with_routing_map_grad``), emulated where
+    the release has them (``_fam_moe_token``: 2.6.0.post3 on, with the routing-map ops; before,
+    ``torch_npu`` has neither and the forward's lookup is the AttributeError)."""
     import torch_npu  # type: ignore[import-not-found]  # the stand-in
 
     class MoePermuteMaskMap(torch.autograd.Function):

@@ -90,6 +90,23 @@ def unpermute_routing(gen: torch.Generator) -> Example:
     return (permuted, sorted_indices, [N, H]), {"probs": probs, "routing_map": rmap}
 
 
+def permute_routing_grad(gen: torch.Generator) -> Example:
+    """As the permute's node calls it: the forward's sorted_indices and routing map."""
+    (tokens, rmap), kw = permute_routing(gen)
+    permuted, permuted_probs, sorted_indices = npu_moe_token_permute_with_routing_map(
+        tokens, rmap, **kw)
+    return (_vals(gen, *permuted.shape), _probs(gen, *permuted_probs.shape), sorted_indices,
+            rmap, E, N, False), {}
+
+
+def unpermute_routing_grad(gen: torch.Generator) -> Example:
+    """As MindSpeed's MoeUnpermuteMaskMap.backward calls it without drop_and_pad
+    (sorted_indices for out_index and permuted_token_id)."""
+    (permuted, sorted_indices, restore_shape), kw = unpermute_routing(gen)
+    return (_vals(gen, N, H), sorted_indices, sorted_indices, kw["routing_map"], permuted,
+            kw["probs"], False, restore_shape), {}
+
+
 def init_routing(gen: torch.Generator) -> Example:
     row_idx = torch.arange(N * K, dtype=torch.int32).view(K, N).t().contiguous()
     return (_vals(gen, N, H), row_idx, _experts(gen, torch.int32), N), {}

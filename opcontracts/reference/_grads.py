@@ -11,6 +11,11 @@ independent derivation of the same math (the test suite checks that the two agre
 
 Every formula: ``(inputs, outputs, grads) -> {argument name: gradient}`` (``inputs`` maps every
 schema argument name to its value; names left out get no gradient).
+
+Some backward kernels are ops of their own, called with the arguments torch_npu's C++ node (or
+MindSpeed) passes: ``npu_rms_norm_backward``, ``npu_rotary_mul_backward`` and the routing-map
+``npu_moe_token_(un)permute_with_routing_map_grad`` (CANN's aclnn*WithRoutingMapGrad; outputs
+as op-plugin allocates them).  Their references here run the formulas above.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ __all__ = [
     "fusion_attention_backward",
     "grouped_matmul_backward",
     "internal_unpermute_with_routing_map_backward",
+    "npu_moe_token_permute_with_routing_map_grad",
+    "npu_moe_token_unpermute_with_routing_map_grad",
     "permute_with_routing_map_backward",
     "rms_norm_backward",
     "rotary_mul_backward",
@@ -52,7 +59,7 @@ def _reduce_to(grad: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
 
 
 def _routing_grad_probs(
-    grad_permuted_probs: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
+    grad_permuted_probs: torch.Tensor, routing_map: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
     """Scatter per-permuted-row prob grads (expert-major order) back to (N, E)."""
     n_tokens, n_experts = routing_map.shape
@@ -62,7 +69,35 @@ def _routing_grad_probs(
         per_entry = torch.zeros(rank.shape, dtype=_F32, device=rank.device)
     else:
         per_entry = flat.index_select(0, rank) * valid.to(_F32)
-    return per_entry.view(n_experts, n_tokens).T.to(probs.dtype)
+    return per_entry.view(n_experts, n_tokens).T.to(dtype)
+
+
+def _permute_routing_grads(
+    grad_permuted: torch.Tensor, grad_permuted_probs: torch.Tensor | None,
+    sorted_indices: torch.Tensor, routing_map: torch.Tensor, n_tokens: int, drop_and_pad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The routing-map permute's gradients in fp32: (tokens (N, H), probs (N, E) or None when
+    ``grad_permuted_probs`` is None).  An empty ``grad_permuted_probs`` (the emulated forward's
+    second output without probs) scatters nothing: zeros."""
+    g = grad_permuted.to(_F32)
+    grad_tokens = torch.zeros((n_tokens, g.size(1)), dtype=_F32, device=g.device)
+    grad_probs: torch.Tensor | None = None
+    if drop_and_pad:
+        grad_tokens = scatter_add_rows(grad_tokens, sorted_indices, g)
+        if grad_permuted_probs is not None:
+            n_experts = routing_map.size(1)
+            ids, valid = safe_index(sorted_indices, n_tokens)
+            gp = fit(grad_permuted_probs.to(_F32).reshape(-1), ids.numel()) * valid.to(_F32)
+            grad_t = torch.zeros((n_experts, n_tokens), dtype=_F32, device=g.device)
+            grad_probs = grad_t.scatter_add(1, ids.view(n_experts, -1), gp.view(n_experts, -1)).T
+    else:
+        topk = max(sorted_indices.numel() // n_tokens, 1) if n_tokens else 1
+        rows = gather_rows(g, sorted_indices)
+        owner = torch.arange(rows.size(0), device=rows.device) // topk
+        grad_tokens = scatter_add_rows(grad_tokens, owner, rows)
+        if grad_permuted_probs is not None:
+            grad_probs = _routing_grad_probs(grad_permuted_probs, routing_map, _F32)
+    return grad_tokens, grad_probs
 
 
 def permute_with_routing_map_backward(
@@ -70,34 +105,44 @@ def permute_with_routing_map_backward(
 ) -> dict[str, Any]:
     tokens, routing_map, probs = inputs["tokens"], inputs["routing_map"], inputs["probs"]
     grad_permuted, grad_permuted_probs, _ = grads
-    _, _, sorted_indices = outputs
-    n_tokens = tokens.size(0)
-    g = grad_permuted.to(_F32)
-    grad_tokens = torch.zeros(tokens.shape, dtype=_F32, device=tokens.device)
-    result: dict[str, Any] = {}
-    if inputs["drop_and_pad"]:
-        grad_tokens = scatter_add_rows(grad_tokens, sorted_indices, g)
-        if probs is not None:
-            n_experts = routing_map.size(1)
-            ids, valid = safe_index(sorted_indices, n_tokens)
-            gp = grad_permuted_probs.to(_F32).reshape(-1) * valid.to(_F32)
-            grad_probs_t = torch.zeros((n_experts, n_tokens), dtype=_F32, device=tokens.device)
-            grad_probs_t = grad_probs_t.scatter_add(1, ids.view(n_experts, -1), gp.view(n_experts, -1))
-            result["probs"] = grad_probs_t.T.to(probs.dtype)
-    else:
-        topk = max(sorted_indices.numel() // n_tokens, 1) if n_tokens else 1
-        rows = gather_rows(g, sorted_indices)
-        owner = torch.arange(rows.size(0), device=rows.device) // topk
-        grad_tokens = scatter_add_rows(grad_tokens, owner, rows)
-        if probs is not None:
-            result["probs"] = _routing_grad_probs(grad_permuted_probs, routing_map, probs)
-    result["tokens"] = grad_tokens.to(tokens.dtype)
+    grad_tokens, grad_probs = _permute_routing_grads(
+        grad_permuted, grad_permuted_probs if probs is not None else None, outputs[2],
+        routing_map, tokens.size(0), inputs["drop_and_pad"])
+    result: dict[str, Any] = {"tokens": grad_tokens.to(tokens.dtype)}
+    if grad_probs is not None:
+        result["probs"] = grad_probs.to(probs.dtype)
     return result
+
+
+def npu_moe_token_permute_with_routing_map_grad(
+    permuted_token_out_grad: torch.Tensor, probs_grad: torch.Tensor | None,
+    sorted_indices: torch.Tensor, routing_map: torch.Tensor, experts_num: int, tokens_num: int,
+    drop_and_pad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """aclnnMoeTokenPermuteWithRoutingMapGrad, as the permute's C++ node and MindSpeed 2.2+'s
+    ``MoePermuteMaskMap.backward`` call it: (tokens grad (tokens_num, H) in
+    permuted_token_out_grad's dtype, probs grad (tokens_num, experts_num) in probs_grad's dtype,
+    None without probs_grad), op-plugin's ``MoeTokenPermuteWithRoutingMapGradOpApi.cpp``
+    allocations."""
+    grad_tokens, grad_probs = _permute_routing_grads(
+        permuted_token_out_grad, probs_grad, sorted_indices, routing_map, int(tokens_num),
+        drop_and_pad)
+    if grad_probs is not None:
+        assert probs_grad is not None
+        grad_probs = fit(grad_probs.reshape(-1), int(tokens_num) * int(experts_num)).view(
+            int(tokens_num), int(experts_num)).to(probs_grad.dtype)
+    return grad_tokens.to(permuted_token_out_grad.dtype), grad_probs
 
 
 def unpermute_with_routing_map_backward(
     inputs: dict[str, Any], outputs: Any, grads: Any
 ) -> dict[str, Any]:
+    got = _unpermute_routing_grads(inputs, grads)
+    return {name: g.to(inputs[name].dtype) for name, g in got.items()}
+
+
+def _unpermute_routing_grads(inputs: dict[str, Any], grads: torch.Tensor) -> dict[str, Any]:
+    """The routing-map unpermute's gradients in fp32 (``probs``' only with probs)."""
     permuted = inputs["permuted_tokens"]
     sorted_indices = inputs["sorted_indices"]
     probs, routing_map = inputs["probs"], inputs["routing_map"]
@@ -119,7 +164,7 @@ def unpermute_with_routing_map_backward(
             ids, valid = safe_index(sorted_indices, n_tokens)
             grad_t = torch.zeros((n_experts, n_tokens), dtype=_F32, device=g.device)
             grad_t = grad_t.scatter_add(1, ids.view(n_experts, -1), (dots * valid).view(n_experts, -1))
-            result["probs"] = grad_t.T.to(probs.dtype)
+            result["probs"] = grad_t.T
     else:
         topk = max(sorted_indices.numel() // n_tokens, 1) if n_tokens else 1
         owner = torch.arange(sorted_indices.numel(), device=g.device) // topk
@@ -131,10 +176,10 @@ def unpermute_with_routing_map_backward(
             dots = (gather_rows(rows_f, sorted_indices) * g_slots).sum(1, keepdim=True)
             per_row = scatter_add_rows(rows_f.new_zeros((rows_f.size(0), 1)), sorted_indices, dots)
             if routing_map is not None:
-                result["probs"] = _routing_grad_probs(per_row.view(-1), routing_map, probs)
+                result["probs"] = _routing_grad_probs(per_row.view(-1), routing_map, _F32)
             else:
-                result["probs"] = fit(per_row.view(-1), probs.numel()).view(probs.shape).to(probs.dtype)
-    result["permuted_tokens"] = grad_permuted.to(permuted.dtype)
+                result["probs"] = fit(per_row.view(-1), probs.numel()).view(probs.shape)
+    result["permuted_tokens"] = grad_permuted
     return result
 
 
@@ -144,6 +189,41 @@ def internal_unpermute_with_routing_map_backward(
     """``_npu_moe_token_unpermute_with_routing_map``: the public op's formula on the output (the
     other three outputs are not differentiable)."""
     return unpermute_with_routing_map_backward(inputs, outputs[0], grads[0])
+
+
+def _row_tokens(out_index: torch.Tensor, permuted_token_id: torch.Tensor) -> torch.Tensor:
+    """Per permuted row, the token it holds: ``row_tokens[out_index[i]] = permuted_token_id[i]``
+    (CANN: ``permuteTokenId, outIndex = sortedIndices.sort()``), i.e. drop_and_pad's
+    ``sorted_indices``."""
+    rows = out_index.numel()
+    ids = permuted_token_id.reshape(-1, 1).to(torch.int64)
+    return scatter_add_rows(ids.new_zeros((rows, 1)), out_index, ids).view(-1).to(out_index.dtype)
+
+
+def npu_moe_token_unpermute_with_routing_map_grad(
+    unpermuted_tokens_grad: torch.Tensor, out_index: torch.Tensor,
+    permuted_token_id: torch.Tensor, routing_map: torch.Tensor | None,
+    permuted_tokens: torch.Tensor | None, probs: torch.Tensor | None, drop_and_pad: bool,
+    restore_shape: Sequence[int],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """aclnnMoeTokenUnpermuteWithRoutingMapGrad, as ``_npu_moe_token_unpermute_with_routing_map``'s
+    C++ node and MindSpeed 2.2+'s ``MoeUnpermuteMaskMap.backward`` call it (drop_and_pad: the
+    internal op's ``out_index`` and ``permuted_token_id``; otherwise ``sorted_indices`` for
+    both, the token of slot i being ``i // topK``): (permuted tokens grad (out_index rows, H),
+    probs grad (probs' shape, None without probs)), both in unpermuted_tokens_grad's dtype
+    (op-plugin's ``MoeTokenUnpermuteWithRoutingMapGradKernelNpuOpApi.cpp`` allocations).
+    ``permuted_tokens`` is only read for probs' gradient (MindSpeed saves it only with probs)."""
+    rows, dtype = out_index.numel(), unpermuted_tokens_grad.dtype
+    like = permuted_tokens if permuted_tokens is not None else \
+        unpermuted_tokens_grad.new_zeros((rows, unpermuted_tokens_grad.size(1)))
+    got = _unpermute_routing_grads(
+        {"permuted_tokens": like, "probs": probs, "routing_map": routing_map,
+         "drop_and_pad": drop_and_pad,
+         "sorted_indices": _row_tokens(out_index, permuted_token_id) if drop_and_pad
+         else out_index},
+        unpermuted_tokens_grad)
+    grad_probs = got.get("probs")
+    return got["permuted_tokens"].to(dtype), grad_probs.to(dtype) if grad_probs is not None else None
 
 
 _GMM_QUANT = ("scale", "offset", "antiquant_scale", "antiquant_offset", "per_token_scale")

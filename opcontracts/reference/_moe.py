@@ -359,13 +359,16 @@ def _npu_moe_token_unpermute_with_routing_map(
     shapes and dtypes are the op-plugin adaptor's allocations (``out_index`` and
     ``permuted_token_id`` like ``sorted_indices``; ``permute_probs`` ``sorted_indices``' shape in
     probs' dtype, empty in permuted_tokens' dtype without probs).  Their values are not known
-    from the wheels: here both index outputs are ``sorted_indices`` (what MindSpeed passes for
-    both without ``drop_and_pad``) and ``permute_probs`` each permuted row's prob.  None of the
-    three is differentiable (saved for backward only)."""
+    from the wheels.  With ``drop_and_pad`` (the only case the backward reads them) they are
+    what CANN's grad kernels document (aclnnMoeTokenPermuteWithRoutingMapGrad:
+    ``permuteTokenId, outIndex = sortedIndices.sort()``): ``permuted_token_id`` the sorted token
+    ids, ``out_index`` the row of each; otherwise both are ``sorted_indices`` (what MindSpeed and
+    torch_npu's derivative pass instead).  ``permute_probs`` is each permuted row's prob.  None
+    of the three is differentiable (saved for backward only)."""
     out = npu_moe_token_unpermute_with_routing_map(
         permuted_tokens, sorted_indices, restore_shape, probs=probs, routing_map=routing_map,
         drop_and_pad=drop_and_pad)
-    index = sorted_indices.detach().clone()
+    out_index, token_id = _routed_rows(sorted_indices.detach(), drop_and_pad)
     if probs is None:
         permute_probs = permuted_tokens.new_empty((0,))
     else:
@@ -374,7 +377,16 @@ def _npu_moe_token_unpermute_with_routing_map(
         assert weights is not None
         permute_probs = fit(weights, sorted_indices.numel()).to(probs.dtype).view(
             sorted_indices.shape)
-    return out, index, index.clone(), permute_probs
+    return out, out_index, token_id, permute_probs
+
+
+def _routed_rows(sorted_indices: torch.Tensor, drop_and_pad: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out_index, permuted_token_id) of the internal routing-map unpermute (see its docstring)."""
+    if not drop_and_pad:
+        return sorted_indices.clone(), sorted_indices.clone()
+    token_id, rows = torch.sort(sorted_indices.reshape(-1), stable=True)
+    return rows.to(sorted_indices.dtype).view(sorted_indices.shape), token_id.view(sorted_indices.shape)
 
 
 # --------------------------------------------------------------------------- routing family

@@ -18,6 +18,11 @@ from ._entry import Reference
 
 _DOCS = "torch_npu 2.13/2.14 _op_plugin_docs.py"
 _MS = "MindSpeed master, docs/ops/"
+_RM_GRAD_SOURCE = (
+    "CANN aclnnMoeTokenPermuteWithRoutingMapGrad / aclnnMoeTokenUnpermuteWithRoutingMapGrad "
+    "(cann/ops-transformer moe/*_with_routing_map_grad docs); Ascend/op-plugin "
+    "op_plugin/ops/opapi/MoeToken*WithRoutingMapGrad*OpApi.cpp (output allocations), "
+    "op_plugin/config/derivatives.yaml")
 
 SHIPPED: tuple[Reference, ...] = (
     # MoE permute family (CANN aclnnMoeTokenPermute / aclnnMoeTokenUnpermute)
@@ -58,6 +63,15 @@ SHIPPED: tuple[Reference, ...] = (
               example=_examples.unpermute_routing,
               source=f"{_DOCS} (npu_moe_token_unpermute_with_routing_map's kernel; torch_npu "
                      "2.13.0 npu_native_functions_by_codegen.yaml)"),
+    # their backward kernels (derivatives.yaml; MindSpeed 2.2+'s te/pytorch/permutation.py)
+    Reference("npu_moe_token_permute_with_routing_map_grad",
+              _grads.npu_moe_token_permute_with_routing_map_grad,
+              example=_examples.permute_routing_grad,
+              grad_of="npu_moe_token_permute_with_routing_map", source=_RM_GRAD_SOURCE),
+    Reference("npu_moe_token_unpermute_with_routing_map_grad",
+              _grads.npu_moe_token_unpermute_with_routing_map_grad,
+              example=_examples.unpermute_routing_grad,
+              grad_of="npu_moe_token_unpermute_with_routing_map", source=_RM_GRAD_SOURCE),
     # MoE routing family
     Reference("npu_moe_init_routing", _moe.npu_moe_init_routing,
               example=_examples.init_routing, source=f"{_DOCS}; CANN aclnnMoeInitRouting"),

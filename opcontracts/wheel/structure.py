@@ -30,6 +30,10 @@ map`` (from 2.6.0.post3)  the internal op (which also returns
                           ``permute_probs``)
 ========================  =====================================  ==================================
 
+The routing-map permute's and unpermute's C++ nodes call ``npu_moe_token_permute_with_routing_
+map_grad`` / ``npu_moe_token_unpermute_with_routing_map_grad`` (op-plugin ``derivatives.yaml``),
+which every release with the routing-map ops has (2.6.0.post3 on: ``routing_map_backwards``).
+
 The presence of the internal / ``_grad_v2`` op in a release's schemas is what tells the
 structures apart: in every release the digest holds, ``_npu_moe_token_unpermute`` and
 ``npu_moe_token_unpermute_grad_v2`` appear together, and each wheel read (2.7.1: neither;
@@ -57,6 +61,10 @@ class Structure:
     routing_map_internal: str | None
     """``_npu_moe_token_unpermute_with_routing_map`` when the release has it (the public
     routing-map unpermute is then autograd-only over it), else None"""
+    routing_map_backwards: tuple[str | None, str | None] = (None, None)
+    """the routing-map permute's and unpermute's grad ops (``npu_moe_token_(un)permute_with_
+    routing_map_grad``) where the release has them (their C++ nodes call them: op-plugin
+    ``derivatives.yaml``), else None each"""
 
     @property
     def internal_ops(self) -> tuple[str, ...]:
@@ -74,7 +82,9 @@ class Structure:
         return {
             "npu_moe_token_permute": present(self.permute_backward),
             "npu_moe_token_unpermute": present(self.unpermute_internal, self.unpermute_backward),
-            "npu_moe_token_unpermute_with_routing_map": present(self.routing_map_internal),
+            "npu_moe_token_permute_with_routing_map": present(self.routing_map_backwards[0]),
+            "npu_moe_token_unpermute_with_routing_map": present(self.routing_map_internal,
+                                                                self.routing_map_backwards[1]),
         }
 
     def dispatched(self, op: str) -> str:
@@ -105,4 +115,6 @@ def structure(release: str) -> Structure:
         if internal else first("npu_moe_token_unpermute_grad"),
         permute_backward=first("npu_moe_token_permute_grad_v2", "npu_moe_token_permute_grad"),
         routing_map_internal=rm if rm in schemas else None,
+        routing_map_backwards=(first("npu_moe_token_permute_with_routing_map_grad"),
+                               first("npu_moe_token_unpermute_with_routing_map_grad")),
     )
