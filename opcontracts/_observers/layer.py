@@ -25,15 +25,31 @@ Two kinds of observer:
 How backward is watched (for observers with ``grads``, per guarded call made with grad enabled
 whose inputs require grad):
 
-* the tensor inputs that require grad pass through one identity ``autograd.Function`` (a
-  *probe*, ``_GradProbe``) before the op: its backward receives exactly the gradients this
-  op sends to those inputs (not the sum over every consumer of the tensor, which is what a
-  ``register_hook`` on the input would see), and the node dies with the graph, so nothing
-  accumulates on parameters from step to step (``Observer.grad_inputs``);
-* the ``grad_fn`` nodes of the outputs get one pre-hook, shared by every call (the gradients
-  flowing in, just before the node runs: ``Observer.grad_output``), and an entry in their
-  ``metadata`` naming the call: a ``*_grad`` op called while the node runs finds there which
-  forward call it belongs to (``Call.context``, through ``torch._C._current_autograd_node``).
+* an op whose backward is ONE autograd node wired straight to its inputs (a fused kernel: a
+  torch_npu op's C++ node, a MindSpeed ``autograd.Function``) gets one post-hook on that node,
+  shared by every call: the node's own ``grad_inputs`` are exactly the gradients this op sends
+  to its inputs, and its ``grad_outputs`` the gradients flowing in (``Observer.grad_inputs``,
+  ``Observer.grad_output``), nothing is added to the graph.  Which ops are such is learned per
+  guard at its first watched call (below) and checked at every call (``_direct_edges``: the
+  node's every edge is one of the inputs', in order);
+* any other op (a composite Python op: several nodes, or its output node not wired straight to
+  its inputs), and every op at its first watched call: the tensor inputs that require grad
+  pass through one identity ``autograd.Function`` (a *probe*, ``_GradProbe``) before the op:
+  its backward receives exactly the gradients this op sends to those inputs (not the sum over
+  every consumer of the tensor, which is what a ``register_hook`` on the input would see), and
+  the node dies with the graph, so nothing accumulates on parameters from step to step; the
+  outputs' nodes get one pre-hook, shared by every call (the gradients flowing in, just before
+  the node runs);
+* either way the outputs' nodes get an entry in their ``metadata`` naming the call: a
+  ``*_grad`` op called while the node runs finds there which forward call it belongs to
+  (``Call.context``, through ``torch._C._current_autograd_node``).
+
+Why learned and not always probed: the probe is an ``autograd.Function`` per call (its
+``apply``, a view per input, a Python backward): most of what watching gradients cost on the
+demo's step (``benchmarks/bench_accelerator.py``).  The one case the learning cannot cover is
+an op whose graph changes from call to call (a Python op that takes another branch): the call
+that finds its node no longer wired to its inputs has its outputs' gradients watched but not
+its inputs' (counted in ``unwatched()``), and the op is probed from then on.
 
 Under ``torch.compile`` the layer steps aside (the guard alone runs, no graph break).  Modules
 imported after an observer attached are covered through the patch's import hook; objects
@@ -76,6 +92,7 @@ __all__ = [
     "outputs",
     "param_names",
     "tensors",
+    "unwatched",
 ]
 
 Direction = Literal["forward", "backward"]
@@ -338,13 +355,17 @@ class _GradProbe(torch.autograd.Function):
         return (None, *grads)
 
 
+_PROBE_NODE: type = _GradProbe._backward_cls  # type: ignore[attr-defined]  # its nodes' class
+
+
 # --------------------------------------------------------------------------- dispatch
 # Node metadata keys (``grad_fn.metadata``: a dict the autograd node owns, freed with the graph):
 # the forward call whose backward the node runs (read by a guarded call made while the node
 # runs, through ``torch._C._current_autograd_node``), and the calls whose observers want the
 # gradients flowing into the node (read by the node's one shared pre-hook).
 _CTX = "opcontracts.call"
-_GRADS = "opcontracts.grads"
+_GRADS = "opcontracts.grads"   # calls probed: their observers get the gradients flowing in
+_POST = "opcontracts.post"     # calls of a one-node op: gradients in and sent, after the node
 _current_node: Callable[[], Any] = torch._C._current_autograd_node
 _graph_task: Callable[[], int] = torch._C._current_graph_task_id
 
@@ -394,6 +415,55 @@ def _node_prehook(grad_outputs: tuple[Any, ...]) -> None:
                     o.grad_output(call, s, label, pos, g)
 
 
+def _node_posthook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
+    """The one post-hook every one-node op's node shares (no closure per call, and no cycle
+    through the node): after the node ran, the gradients that flowed into it and those it
+    sends to each call's inputs go to that call's observers (``_POST``)."""
+    node = _current_node()
+    if node is None:  # pragma: no cover - torch runs post-hooks inside the node
+        return
+    n_out, n_in = len(grad_outputs), len(grad_inputs)
+    for call, grad_obs, idx, edges in node.metadata.get(_POST, ()):
+        for pos, nr in idx:
+            g = grad_outputs[nr] if nr < n_out else None
+            if g is not None:
+                label = f"output[{nr}]" if len(idx) > 1 else "output"
+                for o, s in grad_obs:
+                    o.grad_output(call, s, label, pos, g)
+        grads = tuple(grad_inputs[i] if i < n_in else None for i in edges)
+        for o, s in grad_obs:
+            o.grad_inputs(call, s, grads)
+
+
+def _direct_edges(node: Any, expected: list[tuple[Any, int, Any]]) -> list[int] | None:
+    """Where each expected edge is in ``node.next_functions``, in order, when the node is
+    wired straight to them: every edge of the node is the next expected one (an input's
+    ``(grad_fn, output_nr)``, or for a leaf ``(None, 0, tensor)``: its ``AccumulateGrad``).
+    None otherwise (an edge into the op's own graph, an input the node does not reach).
+
+    The probe of a guarded op called inside this one (a wrapper calling a guarded kernel
+    with its own arguments) is seen through: it is an identity, its edge ``i`` is its input
+    ``i``'s."""
+    got: list[int] = []
+    p, n = 0, len(expected)
+    nxt: Any
+    for i, (nxt, nr) in enumerate(node.next_functions):
+        want = expected[p][0] if p < n else None
+        while nxt is not None and nxt is not want and type(nxt) is _PROBE_NODE:
+            nxt, nr = nxt.next_functions[nr]
+        if nxt is None:
+            continue
+        if p < n:
+            fn, want_nr, t = expected[p]
+            if (nxt is fn and nr == want_nr) if fn is not None else \
+                    getattr(nxt, "variable", None) is t:
+                got.append(i)
+                p += 1
+                continue
+        return None
+    return got if p == n else None
+
+
 class _Dispatch:
     """The attached observers and what one wrapped call does with them.
 
@@ -416,6 +486,10 @@ class _Dispatch:
         self.observers: tuple[Observer, ...] = ()
         self.contexts = False  # an attached observer wants ``Call.context`` for every call
         self.tls = threading.local()
+        # per guard, whether its backward is one node wired to its inputs (``_direct_edges``):
+        # id(guard) -> (guard, verdict); absent: not known yet (the next call is probed)
+        self.one_node: dict[int, tuple[Callable[..., Any], bool]] = {}
+        self.unwatched = 0  # calls whose inputs' gradients could not be watched
 
     def depth(self) -> int:
         return getattr(self.tls, "depth", 0)  # type: ignore[no-any-return]
@@ -449,10 +523,23 @@ class _Dispatch:
                 if o.grads:
                     grad_obs.append((o, st))
         grad = torch.is_grad_enabled()
+        direct: list[torch.Tensor] | None = None  # one-node op: the inputs its node must reach
         if kept:
             call._place()  # site and module while the frames exist (judged after the call)
-            if grad_obs and grad and any(t.requires_grad for _, t in tensors(args, kwargs)):
-                args, kwargs = self._probe(call, grad_obs, args, kwargs)
+            keys: list[Any] = []
+            inputs: list[torch.Tensor] = []
+            if grad_obs and grad:
+                for k, t in tensors(args, kwargs):
+                    if t.requires_grad:
+                        keys.append(k)
+                        inputs.append(t)
+            if inputs:
+                call.grad_keys = keys
+                known = self.one_node.get(id(fn))
+                if known is not None and known[0] is fn and known[1]:
+                    direct = inputs
+                else:
+                    args, kwargs = self._probe(call, grad_obs, inputs, args, kwargs)
             else:
                 grad_obs = []
         tls.depth = depth + 1
@@ -466,7 +553,7 @@ class _Dispatch:
                     if st is not None:
                         o.end(call, st, out)
             if grad_obs:
-                self._hook_outputs(call, grad_obs, out)
+                self._hook_outputs(call, grad_obs, out, direct)
             elif grad and self.contexts:
                 _mark(call, _output_nodes(out))  # only which call a backward node runs
         finally:
@@ -474,14 +561,10 @@ class _Dispatch:
             call._frame = None
         return out
 
-    def _probe(self, call: Call, grad_obs: list[tuple[Observer, Any]], args: tuple[Any, ...],
-               kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        keys, inputs = [], []
-        for k, t in tensors(args, kwargs):
-            if t.requires_grad:
-                keys.append(k)
-                inputs.append(t)
-        call.grad_keys = keys
+    def _probe(self, call: Call, grad_obs: list[tuple[Observer, Any]],
+               inputs: list[torch.Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]
+               ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        keys = call.grad_keys
 
         def check(grads: tuple[Any, ...]) -> None:  # lives as long as the graph does
             for o, s in grad_obs:
@@ -501,18 +584,48 @@ class _Dispatch:
                 target[pos] = type(target[pos])(seq) if isinstance(target[pos], tuple) else seq
         return tuple(new_args), new_kwargs
 
-    def _hook_outputs(self, call: Call, grad_obs: list[tuple[Observer, Any]], out: Any) -> None:
+    def _hook_outputs(self, call: Call, grad_obs: list[tuple[Observer, Any]], out: Any,
+                      direct: list[torch.Tensor] | None) -> None:
         """The outputs' autograd nodes learn that they run this call's backward (``_CTX``) and
-        hand the gradients flowing in to its observers (``_GRADS``, through the one shared
-        pre-hook, registered once per node)."""
+        hand the call's gradients to its observers: a one-node op's node through the shared
+        post-hook (``_POST``), a probed call's nodes through the shared pre-hook (``_GRADS``:
+        the gradients flowing in; the probe has those sent to the inputs).  A probed call also
+        teaches whether its op is a one-node op (``one_node``)."""
         nodes: dict[int, tuple[Any, list[tuple[int, int]]]] = {}
         for pos, (_, t) in enumerate(outputs(out)):
             node = t.grad_fn
             if node is not None and t.requires_grad:
                 nodes.setdefault(id(node), (node, []))[1].append((pos, t.output_nr))
-        if any(o.reuse for o, _ in grad_obs):
-            call.reused = _consumed_inside(nodes, call.probe_node)
-        call.probe_node = None  # no cycle through the probe's context
+        probe, call.probe_node = call.probe_node, None  # no cycle through the probe's context
+        fn = call.fn
+        if direct is not None:
+            edges = None
+            one: Any = None
+            if len(nodes) == 1:
+                one, idx = next(iter(nodes.values()))
+                edges = _direct_edges(one, [(t.grad_fn, t.output_nr, t) for t in direct])
+            if edges is not None:
+                call.reused = set()  # one node: nothing of the op consumes its own outputs
+                _mark(call, iter((one,)))
+                md = one.metadata
+                post = md.get(_POST)
+                if post is None:
+                    md[_POST] = post = []
+                    one.register_hook(_node_posthook)
+                post.append((call, grad_obs, idx, edges))
+                return
+            # the op's graph is not one node this time: its inputs' gradients are not watched
+            # for this call (it ran unprobed); probed from now on
+            self.one_node[id(fn)] = (fn, False)
+            self.unwatched += 1
+            call.reused = None
+        elif id(fn) not in self.one_node or self.one_node[id(fn)][0] is not fn:
+            n_in = len(call.grad_keys)
+            learned = len(nodes) == 1 and probe is not None and _direct_edges(
+                next(iter(nodes.values()))[0], [(probe, i, None) for i in range(n_in)]) is not None
+            self.one_node[id(fn)] = (fn, learned)
+        if direct is None and any(o.reuse for o, _ in grad_obs):
+            call.reused = _consumed_inside(nodes, probe)
         _mark(call, (n for n, _ in nodes.values()))
         for node, idx in nodes.values():
             md = node.metadata
@@ -548,6 +661,12 @@ def _consumed_inside(nodes: dict[int, tuple[Any, list[tuple[int, int]]]], stop: 
 
 
 _dispatch = _Dispatch()
+
+
+def unwatched() -> int:
+    """Calls whose inputs' gradients were not watched: a learned one-node op whose node was not
+    wired straight to its inputs at that call (``_Dispatch``; the op is probed afterwards)."""
+    return _dispatch.unwatched
 
 
 @contextlib.contextmanager
@@ -697,6 +816,7 @@ class _Layer:
         self._disown()
         self.wrappers.clear()
         self.wrapper_ids.clear()
+        _dispatch.one_node.clear()
 
     def _hook_patcher(self, patch: ModuleType) -> None:
         """Wrap what the patch guards when a module is imported (the patch's own import hook
