@@ -355,7 +355,7 @@ class _GradProbe(torch.autograd.Function):
         return (None, *grads)
 
 
-_PROBE_NODE: type = _GradProbe._backward_cls  # type: ignore[attr-defined]  # its nodes' class
+_PROBE_NODE: Any = getattr(_GradProbe, "_backward_cls")  # noqa: B009  # its nodes' class
 
 
 # --------------------------------------------------------------------------- dispatch
