@@ -233,24 +233,29 @@ class NonFiniteError(ArithmeticError):
 
 
 # --------------------------------------------------------------------------- tensor helpers
-def _finiteness(t: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+_aminmax = torch.aminmax
+_strided = torch.strided
+_set_grad = torch._C._set_grad_enabled
+_grad_on = torch.is_grad_enabled
+
+
+def _finiteness(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Two device scalars, the tensor's smallest and largest element, both finite exactly when
     every element of ``t`` is (None: nothing to check: not a strided floating or complex tensor,
     or empty).  Not read here: they stay on the device until the step's one read
-    (``_observers.deferred``).
+    (``_observers.deferred``).  Called with grad mode off (``NanSentinel._checks``): the
+    reduction joins no graph, so no ``detach`` per tensor.
 
     ``aminmax`` propagates NaN and shows +inf and -inf, and, unlike a sum, cannot overflow on
     large finite values; one reduction (~3 us on a (256, 64) CPU tensor, less than a float32
     sum), and torch_npu has it (op-plugin's ``op_plugin_functions.yaml``: ``aminmax``).
     """
-    if not isinstance(t, torch.Tensor):
-        return None
     if t.is_floating_point():
-        if t.layout != torch.strided or t.numel() == 0:
+        if t.layout is not _strided or not t.numel():
             return None
-        return torch.aminmax(t.detach())  # type: ignore[return-value]
-    if t.is_complex() and t.layout == torch.strided and t.numel():
-        return torch.aminmax(torch.view_as_real(t.detach()))  # type: ignore[return-value]
+        return _aminmax(t)  # type: ignore[return-value]
+    if t.is_complex() and t.layout is _strided and t.numel():
+        return _aminmax(torch.view_as_real(t))  # type: ignore[return-value]
     return None  # integers and bools are always finite
 
 
@@ -258,10 +263,13 @@ class _State:
     """The sentinel's per-call state: how far the (deferred) checks of this call got when
     they were read."""
 
-    __slots__ = ("call", "bad_input", "out_done", "incoming_bad", "grad_done")
+    __slots__ = ("call", "bad_input", "out_done", "incoming_bad", "grad_done", "incoming")
 
     def __init__(self, call: Call) -> None:
         self.call = call
+        # gradients flowing in, held until the call's ``grad_inputs`` when both come from one
+        # hook (``Call.hooked``): then checked together, one pass for the call's backward
+        self.incoming: list[tuple[str, torch.Tensor]] | None = None
         self.bad_input = False     # a non-finite input was handed in (reported as received)
         self.out_done = False      # an output was reported already
         self.incoming_bad = False  # a non-finite gradient flowed in (reported as received)
@@ -501,26 +509,37 @@ class NanSentinel(Observer):
             react(self.on_nan, ev.message(), lambda: NonFiniteError(ev), stacklevel=6)
 
     # ----------------------------------------------------------------- the observed call
-    def _checks(self, what: int, st: _State, items: Iterable[tuple[Any, Any]]) -> None:
+    def _checks(self, st: _State, *groups: tuple[int, Iterable[tuple[Any, Any]]]) -> None:
         """Leave each checked tensor's smallest and largest element on its device (not read:
-        ``_observers.deferred``), with what makes it a finding: one list pass and one lock per
-        call and direction, nothing converted (dtype and shape as they come, named at the
+        ``_observers.deferred``), with what makes it a finding: ``groups`` are (what, (key,
+        tensor or None) pairs), checked in order; one pass, one grad-mode switch and one lock
+        per call and direction, nothing converted (dtype and shape as they come, named at the
         event)."""
         parts: list[torch.Tensor] = []
         payloads: list[_Check] = []
         budget = self._keep_budget
-        for key, t in items:
-            value = _finiteness(t)
-            if value is None:
-                continue
-            kept = None
-            if budget:
-                size = t.numel() * t.element_size()
-                if self._kept + size <= budget:
-                    self._kept += size
-                    kept = t.detach()
-            parts.extend(value)
-            payloads.append((what, st, key, kept, t.dtype, t.shape))
+        grad = _grad_on()  # off in backward already; in forward, once per call, not per tensor
+        if grad:
+            _set_grad(False)
+        try:
+            for what, items in groups:
+                for key, t in items:
+                    if not isinstance(t, torch.Tensor):
+                        continue
+                    value = _finiteness(t)
+                    if value is None:
+                        continue
+                    kept = None
+                    if budget:
+                        size = t.numel() * t.element_size()
+                        if self._kept + size <= budget:
+                            self._kept += size
+                            kept = t.detach()
+                    parts.extend(value)
+                    payloads.append((what, st, key, kept, t.dtype, t.shape))
+        finally:
+            if grad:
+                _set_grad(True)
         if payloads:
             self._pending.add_many(parts, payloads, 2)
 
@@ -529,24 +548,32 @@ class NanSentinel(Observer):
             self._calls += 1
         st = _State(call)
         assert call.args is not None and call.kwargs is not None
-        self._checks(_IN, st, layer.tensors(call.args, call.kwargs))
+        self._checks(st, (_IN, layer.tensors(call.args, call.kwargs)))
         return st
 
     def end(self, call: Call, state: Any, out: Any) -> None:
         if isinstance(out, torch.Tensor):
-            self._checks(_OUT, state, (("output", out),))
+            self._checks(state, (_OUT, (("output", out),)))
         else:
-            self._checks(_OUT, state, layer.outputs(out))
+            self._checks(state, (_OUT, layer.outputs(out)))
         if self._at_call:
             self._read()
 
     def grad_output(self, call: Call, state: Any, label: str, position: int,
                     grad: torch.Tensor) -> None:
-        self._checks(_GRAD_IN, state, ((label, grad),))
+        if call.hooked:  # grad_inputs comes next, from the same hook: checked with it
+            if state.incoming is None:
+                state.incoming = []
+            state.incoming.append((label, grad))
+            return
+        self._checks(state, (_GRAD_IN, ((label, grad),)))
 
     def grad_inputs(self, call: Call, state: Any, grads: tuple[Any, ...]) -> None:
-        self._checks(_GRAD_OUT, state,
-                     ((k, g) for k, g in zip(call.grad_keys, grads) if g is not None))
+        incoming, state.incoming = state.incoming, None
+        if incoming:
+            self._checks(state, (_GRAD_IN, incoming), (_GRAD_OUT, zip(call.grad_keys, grads)))
+        else:
+            self._checks(state, (_GRAD_OUT, zip(call.grad_keys, grads)))
         if self._at_call:
             self._read()
 

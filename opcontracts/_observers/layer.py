@@ -121,6 +121,20 @@ def outputs(out: Any, prefix: str = "output") -> Iterator[tuple[str, torch.Tenso
             yield from outputs(x, f"{prefix}[{i}]")
 
 
+def _flat_outputs(out: Any) -> list[torch.Tensor]:
+    """The tensor outputs in ``outputs``' order, without their names (the layer's own use)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    flat: list[torch.Tensor] = []
+    if isinstance(out, (list, tuple)):
+        for x in out:
+            if isinstance(x, torch.Tensor):
+                flat.append(x)
+            elif isinstance(x, (list, tuple)):
+                flat.extend(_flat_outputs(x))
+    return flat
+
+
 def in_backward() -> bool:
     """Whether this thread is running an autograd backward pass right now."""
     return bool(torch._C._current_graph_task_id() != -1)
@@ -251,7 +265,7 @@ class Call:
     of the site is made only when it is read, i.e. when a finding is reported."""
 
     __slots__ = ("op", "fn", "args", "kwargs", "direction", "depth", "context", "grad_keys",
-                 "reused", "probe_node", "_frame", "_token", "_where", "_placed",
+                 "reused", "probe_node", "hooked", "_frame", "_token", "_where", "_placed",
                  "__weakref__")
 
     def __init__(self, op: str, fn: Callable[..., Any], args: tuple[Any, ...],
@@ -269,6 +283,10 @@ class Call:
         # known, the op's graph was too large to walk)
         self.reused: set[int] | None = set()
         self.probe_node: Any = None  # the input probe's node, while the outputs are hooked
+        # the gradients come from the op's one node's post-hook: every ``grad_output`` of the
+        # call right before its ``grad_inputs``, from the same hook (else: ``grad_output`` from
+        # the output nodes' pre-hook, ``grad_inputs`` from the probe, later)
+        self.hooked = False
         self._frame = frame
         self._token: SiteToken | None = None
         self._where: tuple[nn.Module, nn.Module] | None = None
@@ -391,11 +409,7 @@ def _mark(call: Call, nodes: Iterator[Any]) -> None:
 
 def _output_nodes(out: Any) -> Iterator[Any]:
     """The autograd nodes of the outputs that require grad (a node once per tensor)."""
-    if isinstance(out, torch.Tensor):
-        if out.requires_grad and out.grad_fn is not None:
-            yield out.grad_fn
-        return
-    for _, t in outputs(out):
+    for t in _flat_outputs(out):
         if t.requires_grad and t.grad_fn is not None:
             yield t.grad_fn
 
@@ -592,7 +606,7 @@ class _Dispatch:
         the gradients flowing in; the probe has those sent to the inputs).  A probed call also
         teaches whether its op is a one-node op (``one_node``)."""
         nodes: dict[int, tuple[Any, list[tuple[int, int]]]] = {}
-        for pos, (_, t) in enumerate(outputs(out)):
+        for pos, t in enumerate(_flat_outputs(out)):
             node = t.grad_fn
             if node is not None and t.requires_grad:
                 nodes.setdefault(id(node), (node, []))[1].append((pos, t.output_nr))
@@ -606,6 +620,7 @@ class _Dispatch:
                 edges = _direct_edges(one, [(t.grad_fn, t.output_nr, t) for t in direct])
             if edges is not None:
                 call.reused = set()  # one node: nothing of the op consumes its own outputs
+                call.hooked = True
                 _mark(call, iter((one,)))
                 md = one.metadata
                 post = md.get(_POST)
