@@ -1,6 +1,6 @@
 """What each observer costs a training step on an accelerator: host reads per step, and time.
 
-    python benchmarks/bench_accelerator.py [--quick] [--layers 2 6] [--rounds N]
+    python benchmarks/bench_accelerator.py [--quick] [--layers 2 6] [--rounds N] [--paired N]
 
 On an NPU or GPU every host read of a device value (``.item()``, ``bool(t)``, ``.tolist()``)
 stalls the device: the host waits for the queue to drain instead of running ahead of the
@@ -26,6 +26,11 @@ of a round alike), and the ratio of the best rounds; times are this process's CP
 (``time.process_time``: another process's load on a shared machine does not count in it, as it
 does in wall time).  1 torch thread by default (on a shared 2-core machine the OpenMP pool's
 spin-waiting swamps small reductions).
+
+``--paired N`` adds, per observer, N pairs of back-to-back steps, one observed and one with the
+observer switched off at the layer's dispatch (``time_paired``): the median and quartiles of
+the pairs' wall-time ratios, a figure whose spread is a few percent on a machine whose rounds
+swing by ten.
 """
 
 from __future__ import annotations
@@ -145,6 +150,39 @@ def time_rounds(step: Step, kinds: tuple[str, ...], rounds: int, per: int
     return times
 
 
+def time_paired(step: Step, kind: str, pairs: int) -> list[float]:
+    """Per pair of consecutive steps, the observed step's wall time over the bare one's, with
+    the observer attached throughout and switched off for the bare step at the layer's
+    dispatch (``_Dispatch.observers``: what the wrapper reads before anything else, so the
+    bare step pays the wrapper's two attribute reads and nothing more).  Pairs alternate
+    which step runs first; a slow phase of a shared machine hits both steps of a pair, so the
+    spread of the ratios is a few percent where whole rounds swing by ten."""
+    from opcontracts._observers import layer
+
+    pc = time.perf_counter
+    ratios: list[float] = []
+    with observed(kind) as boundary:
+        d = layer._dispatch
+        on = d.observers
+        for _ in range(3):
+            step()
+            boundary()
+        try:
+            for i in range(pairs):
+                spans = {}
+                for which in ((False, True) if i % 2 else (True, False)):
+                    d.observers = on if which else ()
+                    t0 = pc()
+                    step()
+                    if which:
+                        boundary()
+                    spans[which] = pc() - t0
+                ratios.append(spans[True] / spans[False])
+        finally:
+            d.observers = on
+    return ratios
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer rounds (smoke test)")
@@ -152,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 9)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS, metavar="KIND")
+    p.add_argument("--paired", type=int, default=0, metavar="N",
+                   help="also N step pairs per observer, bare and observed back to back "
+                        "(wall time; median and quartiles of the pairs' ratios)")
     ns = p.parse_args(argv)
     torch.set_num_threads(ns.threads)
     rounds = ns.rounds or (2 if ns.quick else 9)
@@ -178,6 +219,14 @@ def main(argv: list[str] | None = None) -> int:
                       f"{copies - counted['bare'][2]:8d} {statistics.median(ratios):9.3f} "
                       f"{min(times[kind]) / min(bare):7.3f} "
                       f"{statistics.median(bare) * 1e3:8.2f}")
+            if ns.paired:
+                for kind in kinds:
+                    if kind in ("bare", "strict"):
+                        continue  # nothing attached to switch off
+                    r = sorted(time_paired(step, kind, ns.paired))
+                    q1, q3 = r[len(r) // 4], r[(3 * len(r)) // 4]
+                    print(f"{layers:6d} {kind:20s} paired x {statistics.median(r):.3f} "
+                          f"(quartiles {q1:.3f}-{q3:.3f}, {len(r)} pairs, wall time)")
     print(f"python {sys.version.split()[0]}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} thread(s), opcontracts {opcontracts.__version__}, "
           f"{rounds} rounds x {per} steps")

@@ -151,3 +151,26 @@ def test_pending_values_come_back_in_order_in_one_read() -> None:
     p.add(torch.tensor(0.0), 0)
     p.add(torch.tensor(0.0), 1)
     assert full == [2]
+
+
+def test_the_paired_benchmark_observes_one_step_of_each_pair(moe: types.ModuleType,
+                                                              monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    import bench_accelerator
+
+    begun: list[str] = []
+    begin = NanSentinel.begin
+
+    def counting(self: NanSentinel, call: Any) -> Any:
+        begun.append(call.op)
+        return begin(self, call)
+
+    monkeypatch.setattr(NanSentinel, "begin", counting)
+    step = bench_accelerator.Step(moe, 2)
+    ratios = bench_accelerator.time_paired(step, "sentinel always-on", 4)
+    assert len(ratios) == 4 and all(r > 0 for r in ratios)
+    per_step = 4  # 2 layers: a permute and an unpermute each
+    assert len(begun) == per_step * (3 + 4)  # the 3 warm steps and one step of each pair
+    from opcontracts._observers import layer
+
+    assert layer.attached() == [] and layer._dispatch.observers == ()
