@@ -26,6 +26,7 @@ import torch
 from ..reference import _fam_gemm_comm as _gemm_ref
 from ..reference._attention import npu_ring_attention_update as _ring_reference
 from . import _jit
+from . import _standin_gmm_util as _gmm_util
 from ._ops import NAMESPACE, OP_NAMES
 from ._raw import reinterpret
 
@@ -940,6 +941,7 @@ class _Builders:
     def matmul_add(self, module: types.ModuleType) -> None:
         _export(module, [npu_matmul_add_fp32, npu_matmul_add_fp16])
         module.__all__ = ["npu_matmul_add_fp32"]  # type: ignore[attr-defined]  # MindSpeed's
+        _gmm_util.npu_version(module)  # NPUVersion, check_npu_version (grouped_matmul_util's)
 
     def groupmatmul_add(self, module: types.ModuleType) -> None:
         _export(module, [npu_groupmatmul_add_fp32])
@@ -981,6 +983,7 @@ class _Builders:
             "mindspeed.core.fusions": self.mindspeed_core,
             "mindspeed.core.fusions.fused_bias_swiglu": self.fused_bias_swiglu,
             **{name: self.package for name in _MC2_PACKAGES},
+            **_gmm_util.table(),  # mindspeed.args_utils, ...moe.grouped_matmul_util
             "mindspeed.core.transformer.moe.moe_feature.mc2moe.mc2_fuse_a2a": self.mc2_fuse_a2a,
             "mindspeed.core.tensor_parallel.mc2_feature.linear_function": self.linear_function,
             "mindspeed.te": self.package,
