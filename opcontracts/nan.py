@@ -34,7 +34,7 @@ sentinel is off.  The sentinel is an observer of ``opcontracts._observers.layer`
 patch's guards that the shadow compare and the recorder plug into too: ``enable()`` attaches it
 (the layer wraps the patch's guards while any observer is attached) and ``disable()`` detaches
 it (the guards are put back ``is``-identically when the last one leaves); off, nothing of this
-module runs.  Backward is watched through the layer's probes and node hooks (``_observers.layer``): per
+module runs.  Backward is watched through the layer's node hooks and probes (``_observers.layer``): per
 guarded call made with grad enabled the sentinel sees exactly the gradients the op sends to its
 inputs, and the gradients flowing into its outputs.
 
@@ -56,8 +56,9 @@ culprit's NaN and inf are then not counted; everything else is named), one read 
 
 CPU cost when on (``benchmarks/bench_accelerator.py``, ``bench_nan.py``): the checks, the call
 site kept as code + line per call (its text made at report), the module path read off the
-frames, and with grad enabled one probe node per call and one shared pre-hook per output node
-(``_observers.layer``, ``_Dispatch``).  Under ``torch.compile`` the
+frames, and with grad enabled one shared post-hook on a fused op's one node (a probe node and
+a shared pre-hook per output node for a composite op, and for any op at its first watched
+call: ``_observers.layer``, ``_Dispatch``).  Under ``torch.compile`` the
 sentinel steps aside (the guard alone runs, no graph break).
 
 Limits: it sees the ops ``opcontracts.patch`` guards, nothing else (a NaN made by a plain torch
