@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -89,3 +89,28 @@ def npu() -> Iterator[Any]:
         opcontracts.set_versions(torch_npu=None, cann=None, mindspeed=None, soc=None)
         if was:
             patch.apply()
+
+
+@pytest.fixture
+def emulated() -> Iterator[Callable[..., None]]:
+    """``emulated(*args, **kwargs)``: ``emulation.install(*args, **kwargs)`` with the patch
+    applied; after the test the emulation is uninstalled and the patch left as it was (for a
+    fixture parametrized by release, MindSpeed line or SoC)."""
+    import opcontracts.patch as patch
+
+    was = patch.is_applied()
+    installed = False
+
+    def install(*args: Any, **kwargs: Any) -> None:
+        nonlocal installed
+        emulation.install(*args, **kwargs)
+        installed = True
+        patch.apply()
+
+    try:
+        yield install
+    finally:
+        if installed:
+            emulation.uninstall()
+        if not was:
+            patch.unpatch()

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from _broken_kernels import NanGrad
 
 import opcontracts.patch as patch
 from opcontracts import Arg, Contract
@@ -32,16 +33,6 @@ class _Scale(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return 3 * g, 5 * g
-
-
-class _NanGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x * 2
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-        return g * float("nan")
 
 
 def _fused(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -67,7 +58,7 @@ def _wrapper(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _bad_backward(x: torch.Tensor) -> torch.Tensor:
-    return _NanGrad.apply(x)
+    return NanGrad.apply(x)
 
 
 @pytest.fixture

@@ -5,31 +5,24 @@ the gmm extension, called directly, as on the real stack)."""
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 
 import opcontracts
-from opcontracts import ContractViolation, emulation, patch
+from opcontracts import ContractViolation
 
 A2, A3, A5 = "Ascend910B3", "Ascend910_9382", "Ascend950PR_9579"
 
 
 @pytest.fixture
-def util(request: pytest.FixtureRequest) -> Iterator[Any]:
+def util(request: pytest.FixtureRequest, emulated: Callable[..., None]) -> Any:
     """The stand-in module on an emulated device reporting the SoC ``request.param``, with the
-    patch applied; its arguments restored after."""
-    was = patch.is_applied()
-    emulation.install("narrow", device=request.param)
-    patch.apply()
-    try:
-        yield importlib.import_module("mindspeed.core.transformer.moe.grouped_matmul_util")
-    finally:
-        emulation.uninstall()
-        if not was:
-            patch.unpatch()
+    patch applied."""
+    emulated("narrow", device=request.param)
+    return importlib.import_module("mindspeed.core.transformer.moe.grouped_matmul_util")
 
 
 def _experts(dtype: torch.dtype = torch.bfloat16, device: str = "npu"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -22,16 +22,10 @@ from opcontracts.dispatch import ContractDispatchMode
 
 
 @pytest.fixture
-def line(request: pytest.FixtureRequest) -> Iterator[str]:
-    was = patch.is_applied()
-    emulation.install("incident", mindspeed_line=request.param)
-    patch.apply()
-    try:
-        yield request.param
-    finally:
-        emulation.uninstall()
-        if not was:
-            patch.unpatch()
+def line(request: pytest.FixtureRequest, emulated: Callable[..., None]) -> str:
+    """The incident profile with MindSpeed's line ``request.param``, the patch applied."""
+    emulated("incident", mindspeed_line=request.param)
+    return str(request.param)
 
 
 def _args(probs_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from _broken_kernels import NanGrad
 from torch import nn
 
 import opcontracts
@@ -26,18 +27,6 @@ from opcontracts.nan import NanSentinel, NonFiniteError
 MOD = "nan_test_ops"
 
 
-class _NanGrad(torch.autograd.Function):
-    """Finite forward (2x), NaN gradient: a kernel whose backward is broken."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x * 2
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-        return g * float("nan")
-
-
 def _good(x: torch.Tensor) -> torch.Tensor:
     return x * 2
 
@@ -47,7 +36,7 @@ def _bad_forward(x: torch.Tensor) -> torch.Tensor:
 
 
 def _bad_backward(x: torch.Tensor) -> torch.Tensor:
-    return _NanGrad.apply(x)
+    return NanGrad.apply(x)
 
 
 def _pair(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

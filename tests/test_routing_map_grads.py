@@ -10,7 +10,7 @@ is CANN's to reject (aclnn: the permuted probs' gradient in the tokens' gradient
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -18,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import opcontracts
-from opcontracts import ContractViolation, emulation, patch
+from opcontracts import ContractViolation, emulation
 from opcontracts.reference import _grads, _moe
 
 N, E, H, K = 6, 4, 5, 2
@@ -44,17 +44,10 @@ def _out_tokens(drop_and_pad: bool) -> int:
 
 
 @pytest.fixture
-def release(request: pytest.FixtureRequest) -> Iterator[str]:
+def release(request: pytest.FixtureRequest, emulated: Callable[..., None]) -> str:
     """The emulation of ``request.param`` (wide profile) with the patch applied."""
-    was = patch.is_applied()
-    emulation.install("wide", version=request.param)
-    patch.apply()
-    try:
-        yield request.param
-    finally:
-        emulation.uninstall()
-        if not was:
-            patch.unpatch()
+    emulated("wide", version=request.param)
+    return str(request.param)
 
 
 class _NpuOps(TorchDispatchMode):

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from . import _device
+from ._naming import own
 
 __all__ = ["ARG_DEFAULTS", "ARGS_UTILS", "GMM_UTIL", "npu_version", "table"]
 
@@ -94,10 +95,8 @@ def npu_version(module: types.ModuleType) -> None:
         return not ((min_version is not None and version < min_version)
                     or (max_version is not None and version > max_version))
 
-    for obj in (NPUVersion, get_npu_version, check_npu_version):
-        obj.__module__ = module.__name__
-        obj.__qualname__ = obj.__name__
-        setattr(module, obj.__name__, obj)  # not in __all__: MindSpeed's names npu_matmul_add_fp32
+    # not in __all__: MindSpeed's names npu_matmul_add_fp32
+    own(module, [NPUVersion, get_npu_version, check_npu_version], public=False)
 
 
 def _args_utils(module: types.ModuleType) -> None:
@@ -107,9 +106,7 @@ def _args_utils(module: types.ModuleType) -> None:
         """Megatron's arguments are not emulated: MindSpeed's own namespace."""
         return args
 
-    from ._standins import _own
-
-    _own(module, [get_full_args])
+    own(module, [get_full_args])
     module.__doc__ = "opcontracts emulation of mindspeed.args_utils (the fields grouped_matmul_util reads)."
 
 
@@ -243,9 +240,7 @@ def _grouped_matmul_util(module: types.ModuleType) -> None:
     module.torch_npu = torch_npu  # type: ignore[attr-defined]
     module.check_npu_version = check_npu_version  # type: ignore[attr-defined]
     module.NPUVersion = NPUVersion  # type: ignore[attr-defined]
-    from ._standins import _own
-
-    _own(module, [BaseGMMFunction, BF16GMMFunction, *fp8, get_gmm_quant_func, get_gmm_op_cls])
+    own(module, [BaseGMMFunction, BF16GMMFunction, *fp8, get_gmm_quant_func, get_gmm_op_cls])
     del module.__all__  # MindSpeed's module has none
     module.__doc__ = ("opcontracts emulation of mindspeed.core.transformer.moe.grouped_matmul_util "
                       "(BF16GMMFunction: the gmm extension on A2/A3, torch_npu.npu_grouped_matmul "

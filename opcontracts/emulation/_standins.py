@@ -27,6 +27,7 @@ from ..reference import _fam_gemm_comm as _gemm_ref
 from ..reference._attention import npu_ring_attention_update as _ring_reference
 from . import _jit
 from . import _standin_gmm_util as _gmm_util
+from ._naming import own as _own
 from ._ops import NAMESPACE, OP_NAMES
 from ._raw import reinterpret
 
@@ -848,15 +849,6 @@ def _te_permutation() -> list[Any]:
             return act_grad, None, None, probs_grad, None, None
 
     return [MoePermuteMaskMap, MoeUnpermuteMaskMap]
-
-
-def _own(module: types.ModuleType, objects: list[Any]) -> None:
-    """Put classes and functions built for ``module`` into it, named as MindSpeed names them."""
-    for obj in objects:
-        obj.__module__ = module.__name__
-        obj.__qualname__ = obj.__name__
-        setattr(module, obj.__name__, obj)
-    module.__all__ = [obj.__name__ for obj in objects]  # type: ignore[attr-defined]
 
 
 # --------------------------------------------------------------------------- module builders
