@@ -27,6 +27,9 @@ of a round alike), and the ratio of the best rounds; times are this process's CP
 does in wall time).  1 torch thread by default (on a shared 2-core machine the OpenMP pool's
 spin-waiting swamps small reductions).
 
+``--batch B`` runs B sequences per step instead of the demo's 4 (the same guarded calls on
+larger tensors: what is per call shrinks relative to the step).
+
 ``--paired N`` adds, per observer, N pairs of back-to-back steps, one observed and one with the
 observer switched off at the layer's dispatch (``time_paired``): the median and quartiles of
 the pairs' wall-time ratios, a figure whose spread is a few percent on a machine whose rounds
@@ -193,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--paired", type=int, default=0, metavar="N",
                    help="also N step pairs per observer, bare and observed back to back "
                         "(wall time; median and quartiles of the pairs' ratios)")
+    p.add_argument("--batch", type=int, default=None, metavar="B",
+                   help="sequences of 32 tokens per step (the demo's: 4); a larger step shows "
+                        "which costs are per guarded call")
     ns = p.parse_args(argv)
     torch.set_num_threads(ns.threads)
     rounds = ns.rounds or (2 if ns.quick else 9)
@@ -206,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"{'layers':>6s} {'observer':20s} {'calls':>6s} {'+reads':>7s} {'+copies':>8s} "
           f"{'median x':>9s} {'best x':>7s} {'bare ms':>8s}")
+    if ns.batch:
+        demo.BATCH = ns.batch
     with demo._environment() as model_mod:
         for layers in ns.layers:
             step = Step(model_mod, layers)
@@ -229,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"(quartiles {q1:.3f}-{q3:.3f}, {len(r)} pairs, wall time)")
     print(f"python {sys.version.split()[0]}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} thread(s), opcontracts {opcontracts.__version__}, "
-          f"{rounds} rounds x {per} steps")
+          f"{rounds} rounds x {per} steps, {demo.BATCH} x {demo.SEQ} tokens per step")
     return 0
 
 
