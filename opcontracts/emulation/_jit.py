@@ -33,6 +33,7 @@ from torch.library import Library
 
 from .. import reference
 from . import _raw
+from ._naming import own
 from ._ops import _opaque, _through
 
 __all__ = ["EXTENSIONS", "MINDSPEED_LINES", "aclnn", "deregister_library", "library", "line",
@@ -208,7 +209,7 @@ def _unpermute_extension(module: types.ModuleType) -> None:
         return NPUMoeTokenUnpermute.apply(  # type: ignore[no-any-return]
             permuted_tokens, sorted_indices, probs, padded_mode, restore_shape)
 
-    _bind(module, npu_moe_token_unpermute)
+    own(module, [npu_moe_token_unpermute], public=False)
 
 
 # --------------------------------------------------------------------------- npu_moe_token_permute
@@ -260,7 +261,7 @@ def _permute_extension(module: types.ModuleType) -> None:
         """npu moe token permute"""
         return list(NPUMoeTokenPermute.apply(tokens, indices, num_out_tokens, padded_mode))
 
-    _bind(module, npu_moe_token_permute)
+    own(module, [npu_moe_token_permute], public=False)
 
 
 # --------------------------------------------------------------------------- grouped matmul
@@ -307,8 +308,7 @@ def _gmm_extension(module: types.ModuleType) -> None:
         """grouped matmul backward (dx only: the weight gradient is accumulated elsewhere)"""
         return _gmm(grad, _t(weight), [], group_list, 0, group_list_type), [], []
 
-    for fn in (npu_gmm, npu_gmm_backward, npu_gmm_backward_fusion):
-        _bind(module, fn)
+    own(module, [npu_gmm, npu_gmm_backward, npu_gmm_backward_fusion], public=False)
 
 
 # --------------------------------------------------------------------------- rotary position embedding
@@ -342,7 +342,7 @@ def _rope_extension(module: types.ModuleType) -> None:
         """rotary position embedding"""
         return NPURotaryPositionEmbedding.apply(x, cos, sin, mode)  # type: ignore[no-any-return]
 
-    _bind(module, npu_rotary_position_embedding)
+    own(module, [npu_rotary_position_embedding], public=False)
 
 
 # --------------------------------------------------------------------------- load
@@ -356,12 +356,6 @@ EXTENSIONS: dict[str, Callable[[types.ModuleType], None]] = {
     "npu_rotary_position_embedding": _rope_extension,
 }
 """The extensions by the name their builder gives ``torch.utils.cpp_extension.load``."""
-
-
-def _bind(module: types.ModuleType, fn: Callable[..., Any]) -> None:
-    fn.__module__ = module.__name__
-    fn.__qualname__ = fn.__name__
-    setattr(module, fn.__name__, fn)
 
 
 def load(name: str) -> types.ModuleType:

@@ -368,10 +368,7 @@ def _gmm_module(module: types.ModuleType) -> list[Any]:
         AS_LIBRARY.impl("npu_gmm_v2.Tensor", _npu_gmm_v2, key)
     helpers = [check_optional_tensor, GMMFunction, npu_gmm_param_verification, _npu_gmm_common,
                _npu_gmm, _npu_gmm_v2]
-    for obj in helpers:
-        obj.__module__ = module.__name__
-        obj.__qualname__ = obj.__name__
-        setattr(module, obj.__name__, obj)
+    _own(module, helpers, public=False)  # not in __all__: MindSpeed's lists npu_gmm, npu_gmm_v2
     return [npu_gmm, npu_gmm_v2]
 
 
