@@ -70,7 +70,6 @@ before it (a guard stored on an instance) are not.
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -82,7 +81,7 @@ from torch import nn
 
 from ._engine.callsite import CallSite
 from ._observers import layer
-from ._observers.deferred import Pending, StepBoundary
+from ._observers.deferred import Pending, Slots, StepBoundary
 from ._observers.findings import Findings, later_lines, react
 from ._observers.layer import Call, Direction, Observer
 from ._observers.modpath import clean as clean_module_path
@@ -240,23 +239,22 @@ _set_grad = torch._C._set_grad_enabled
 _grad_on = torch.is_grad_enabled
 
 
-def _finiteness(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Two device scalars, the tensor's smallest and largest element, both finite exactly when
-    every element of ``t`` is (None: nothing to check: not a strided floating or complex tensor,
-    or empty).  Not read here: they stay on the device until the step's one read
-    (``_observers.deferred``).  Called with grad mode off (``NanSentinel._checks``): the
-    reduction joins no graph, so no ``detach`` per tensor.
+def _checkable(t: torch.Tensor) -> torch.Tensor | None:
+    """What a finiteness check reduces: ``t`` itself for a strided floating tensor, its real
+    view for a complex one, None for anything always finite or not checkable (integers, bools,
+    an empty or a sparse tensor).
 
-    ``aminmax`` propagates NaN and shows +inf and -inf, and, unlike a sum, cannot overflow on
-    large finite values; one reduction (~3 us on a (256, 64) CPU tensor, less than a float32
-    sum), and torch_npu has it (op-plugin's ``op_plugin_functions.yaml``: ``aminmax``).
+    The check (``NanSentinel._checks``) is the tensor's smallest and largest element
+    (``aminmax``), both finite exactly when every element of ``t`` is: it propagates NaN, shows
+    +inf and -inf, and, unlike a sum, cannot overflow on large finite values; one reduction
+    (~3 us on a (256, 64) CPU tensor), written with ``out=`` into the sentinel's buffers
+    (``_observers.deferred.Slots``: nothing allocated, nothing read here), and torch_npu has
+    it (op-plugin's ``op_plugin_functions.yaml``: ``aminmax``, ``aminmax.out``).
     """
     if t.is_floating_point():
-        if t.layout is not _strided or not t.numel():
-            return None
-        return _aminmax(t)  # type: ignore[return-value]
+        return t if t.layout is _strided and t.numel() else None
     if t.is_complex() and t.layout is _strided and t.numel():
-        return _aminmax(torch.view_as_real(t))  # type: ignore[return-value]
+        return torch.view_as_real(t)
     return None  # integers and bools are always finite
 
 
@@ -345,7 +343,7 @@ class NanSentinel(Observer):
         self._seq = 0
         self._steps = 0
         self._bad_steps: list[int] = []
-        self._pending: Pending[_Check] = Pending(limit, on_full=self._read)
+        self._pending: Slots[_Check] = Slots(2, limit, on_full=self._read)
         self._boundary: StepBoundary | None = None
 
     # ----------------------------------------------------------------- public
@@ -432,12 +430,12 @@ class NanSentinel(Observer):
         """Judge every waiting check, in the order they were made (one host read)."""
         with self._read_lock:
             found: list[tuple[Any, ...]] = []
-            checks = self._pending.read()
+            # the step's checks, one host read; those not finite only (usually none: the
+            # read tells it from the numbers' sum, without a loop over the checks)
+            bad = self._pending.read(only_nonfinite=True)
             self._kept = 0
-            isfinite = math.isfinite
-            for (what, st, key, t, dtype, shape), (lo, hi) in checks:
-                if not (isfinite(lo) and isfinite(hi)):
-                    self._judge(found, what, st, key, t, dtype, shape)
+            for (what, st, key, t, dtype, shape), _numbers in bad:
+                self._judge(found, what, st, key, t, dtype, shape)
             if not found:
                 return
             # the step that turned non-finite: the events' NaN and inf, counted on the device
@@ -511,45 +509,50 @@ class NanSentinel(Observer):
 
     # ----------------------------------------------------------------- the observed call
     def _checks(self, st: _State, *groups: tuple[int, Iterable[tuple[Any, Any]]]) -> None:
-        """Leave each checked tensor's smallest and largest element on its device (not read:
-        ``_observers.deferred``), with what makes it a finding: ``groups`` are (what, (key,
-        tensor or None) pairs), checked in order; one pass, one grad-mode switch and one lock
-        per call and direction, nothing converted (dtype and shape as they come, named at the
-        event)."""
-        parts: list[torch.Tensor] = []
-        payloads: list[_Check] = []
+        """Leave each checked tensor's smallest and largest element on its device, written into
+        the sentinel's buffers (``_observers.deferred.Slots``: not read here), with what makes
+        it a finding: ``groups`` are (what, (key, tensor or None) pairs), checked in order.
+        One pass, one grad-mode switch (``out=`` needs grad mode off when the tensor requires
+        grad; the reduction joins no graph) and one lock per call and direction, nothing
+        converted (dtype and shape as they come, named at the event)."""
+        pending = self._pending
+        put = pending.put
         budget = self._keep_budget
         grad = _grad_on()  # off in backward already; in forward, once per call, not per tensor
         if grad:
             _set_grad(False)
         try:
-            for what, items in groups:
-                for key, t in items:
-                    if not isinstance(t, torch.Tensor):
-                        continue
-                    value = _finiteness(t)
-                    if value is None:
-                        continue
-                    kept = None
-                    if budget:
-                        size = t.numel() * t.element_size()
-                        if self._kept + size <= budget:
-                            self._kept += size
-                            kept = t.detach()
-                    parts.extend(value)
-                    payloads.append((what, st, key, kept, t.dtype, t.shape))
+            with pending.lock:
+                for what, items in groups:
+                    for key, t in items:
+                        if not isinstance(t, torch.Tensor):
+                            continue
+                        x = _checkable(t)
+                        if x is None:
+                            continue
+                        kept = None
+                        if budget:
+                            size = t.numel() * t.element_size()
+                            if self._kept + size <= budget:
+                                self._kept += size
+                                kept = t.detach()
+                        lo, hi = put(x.dtype, x.device, (what, st, key, kept, t.dtype, t.shape))
+                        try:
+                            _aminmax(x, out=(lo, hi))
+                        except BaseException:
+                            lo.fill_(0)  # the slot is taken: finite, not a stale number
+                            hi.fill_(0)
+                            raise
         finally:
             if grad:
                 _set_grad(True)
-        if payloads:
-            self._pending.add_many(parts, payloads, 2)
+        pending.settle()
 
     def begin(self, call: Call) -> Any:
         with self._lock:
             self._calls += 1
         st = _State(call)
-        assert call.args is not None and call.kwargs is not None
-        self._checks(st, (_IN, layer.tensors(call.args, call.kwargs)))
+        self._checks(st, (_IN, call.inputs()))
         return st
 
     def end(self, call: Call, state: Any, out: Any) -> None:

@@ -57,6 +57,46 @@ def test_module_path_from_the_frames_names_leaf_under_root() -> None:
     assert outside is None
 
 
+def test_a_leaf_keeps_the_root_it_was_first_seen_under_until_tracking_restarts() -> None:
+    import gc
+
+    seen: list[tuple[str | None, str | None]] = []
+
+    class Leaf(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(layer.module_name(layer._modules.snapshot()))
+            return x
+
+    class Root(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mlp = Leaf()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.mlp(x)
+
+    tracker = layer._modules
+    was = tracker.running
+    tracker.start()
+    try:
+        root = Root()
+        root(torch.zeros(1))
+        root.mlp(torch.zeros(1))  # called on its own (a recompute): the path it had
+        assert id(root.mlp) in tracker._roots
+        tracker.stop()
+        tracker.start()  # forgotten: now first seen on its own
+        root.mlp(torch.zeros(1))
+        root(torch.zeros(1))
+        leaf_id = id(root.mlp)
+        del root
+        gc.collect()
+        assert leaf_id not in tracker._roots  # an entry leaves with its module
+    finally:
+        if not was:
+            tracker.stop()
+    assert seen == [("mlp", "Leaf"), ("mlp", "Leaf"), ("", "Leaf"), ("", "Leaf")]
+
+
 def test_a_call_in_backward_finds_its_forward_call_in_the_running_node() -> None:
     found: list[object] = []
 

@@ -192,20 +192,31 @@ class _ModuleTracker:
     Why frames and not global module hooks: a global ``register_module_forward_pre_hook``
     takes every module call of the job (not only those around a guarded call) off torch's
     fast path (``_call_impl``'s ``inner``), ~3 us each; the frames are walked only at a guarded
-    call an observer keeps (a dict-free loop over the stack, ``f_locals`` on two frames)."""
+    call an observer keeps.
+
+    Why the root is remembered per leaf: the leaf is a few frames above the guarded call, the
+    root at the bottom of the stack (a training loop, a pipeline schedule, the wrappers: tens
+    of frames, each made a frame object by the walk).  So the whole stack is walked the first
+    time a leaf is seen while tracking runs, and afterwards only up to the leaf: a module's
+    path is the one under the outermost module it was first seen running in (a layer called
+    again from an activation-checkpointing recompute keeps the path it had in forward).
+    ``start``/``stop`` forget what was learned."""
 
     def __init__(self) -> None:
         self._names: weakref.WeakKeyDictionary[nn.Module, dict[int, str]] = (
             weakref.WeakKeyDictionary())
         self.running = False
-        self._codes = frozenset(
-            c for c in (getattr(nn.Module._call_impl, "__code__", None),) if c is not None)
+        self._code: Any = getattr(nn.Module._call_impl, "__code__", None)
+        # id(leaf) -> (weak leaf, weak root); an entry leaves with its leaf
+        self._roots: dict[int, tuple[weakref.ref[nn.Module], weakref.ref[nn.Module]]] = {}
 
     def start(self) -> None:
+        self._roots.clear()
         self.running = True
 
     def stop(self) -> None:
         self.running = False
+        self._roots.clear()
 
     def snapshot(self, frame: Any = None) -> tuple[nn.Module, nn.Module] | None:
         """(root, leaf) of the modules running at ``frame`` (the caller's, by default), or
@@ -213,23 +224,36 @@ class _ModuleTracker:
         if not self.running:
             return None
         f = frame if frame is not None else sys._getframe(1)
-        codes = self._codes
-        leaf = root = None
-        while f is not None:
-            if f.f_code in codes:
-                if leaf is None:
-                    leaf = f
-                root = f
+        code = self._code
+        while f is not None and f.f_code is not code:
             f = f.f_back
-        if leaf is None or root is None:
+        if f is None:
             return None
-        try:
-            lm, rm = leaf.f_locals["self"], root.f_locals["self"]
-        except (KeyError, AttributeError):  # pragma: no cover - not torch's _call_impl
+        leaf = _module_of(f)
+        if leaf is None:
             return None
-        if not (isinstance(lm, nn.Module) and isinstance(rm, nn.Module)):
+        roots = self._roots
+        known = roots.get(id(leaf))
+        if known is not None and known[0]() is leaf:
+            root = known[1]()
+            if root is not None:
+                return root, leaf
+        outer = f  # first seen: the outermost module frame is the root
+        f = f.f_back
+        while f is not None:
+            if f.f_code is code:
+                outer = f
+            f = f.f_back
+        root = _module_of(outer)
+        if root is None:
             return None
-        return rm, lm
+        key = id(leaf)
+
+        def forget(_ref: object, k: int = key) -> None:
+            roots.pop(k, None)
+
+        roots[key] = (weakref.ref(leaf, forget), weakref.ref(root))
+        return root, leaf
 
     def name(self, snap: tuple[nn.Module, nn.Module] | None) -> tuple[str | None, str | None]:
         if snap is None:
@@ -243,6 +267,15 @@ class _ModuleTracker:
         if name is None:  # not registered under the root (called functionally)
             name = f"{type(root).__name__} > {type(leaf).__name__}"
         return name, type(leaf).__name__
+
+
+def _module_of(frame: Any) -> nn.Module | None:
+    """The module a ``_call_impl`` frame runs (its ``self``)."""
+    try:
+        m = frame.f_locals["self"]
+    except (KeyError, AttributeError):  # pragma: no cover - not torch's _call_impl
+        return None
+    return m if isinstance(m, nn.Module) else None
 
 
 _modules = _ModuleTracker()
@@ -266,7 +299,7 @@ class Call:
 
     __slots__ = ("op", "fn", "args", "kwargs", "direction", "depth", "context", "grad_keys",
                  "reused", "probe_node", "hooked", "_frame", "_token", "_where", "_placed",
-                 "__weakref__")
+                 "_inputs", "__weakref__")
 
     def __init__(self, op: str, fn: Callable[..., Any], args: tuple[Any, ...],
                  kwargs: dict[str, Any], direction: Direction, depth: int, frame: Any) -> None:
@@ -291,6 +324,16 @@ class Call:
         self._token: SiteToken | None = None
         self._where: tuple[nn.Module, nn.Module] | None = None
         self._placed = False  # token and where taken (from the frames, while the call ran)
+        self._inputs: list[tuple[Any, torch.Tensor]] | None = None
+
+    def inputs(self) -> list[tuple[Any, torch.Tensor]]:
+        """``tensors(args, kwargs)`` of this call, listed once (the observers and the layer's
+        gradient watching share the one pass); only while the call runs."""
+        got = self._inputs
+        if got is None:
+            assert self.args is not None and self.kwargs is not None
+            got = self._inputs = list(tensors(self.args, self.kwargs))
+        return got
 
     def _place(self) -> None:
         """Take the call site and the module snapshot off the frames (once, during the call)."""
@@ -543,7 +586,7 @@ class _Dispatch:
             keys: list[Any] = []
             inputs: list[torch.Tensor] = []
             if grad_obs and grad:
-                for k, t in tensors(args, kwargs):
+                for k, t in call.inputs():
                     if t.requires_grad:
                         keys.append(k)
                         inputs.append(t)
@@ -571,7 +614,7 @@ class _Dispatch:
             elif grad and self.contexts:
                 _mark(call, _output_nodes(out))  # only which call a backward node runs
         finally:
-            call.args = call.kwargs = None
+            call.args = call.kwargs = call._inputs = None
             call._frame = None
         return out
 
