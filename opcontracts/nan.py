@@ -233,42 +233,27 @@ class NonFiniteError(ArithmeticError):
 
 
 # --------------------------------------------------------------------------- tensor helpers
+# The check of one tensor is its smallest and largest element (``aminmax``), both finite exactly
+# when every element is: it propagates NaN, shows +inf and -inf, and, unlike a sum, cannot
+# overflow on large finite values; one reduction (~3 us on a (256, 64) CPU tensor), written with
+# ``out=`` into the sentinel's buffers (``_observers.deferred.Slots``: nothing allocated, nothing
+# read at the call), and torch_npu has it (op-plugin's ``op_plugin_functions.yaml``: ``aminmax``,
+# ``aminmax.out``).  Integers and bools are always finite; a complex tensor is checked through
+# its real view; empty and sparse tensors are not checked.
 _aminmax = torch.aminmax
 _strided = torch.strided
 _set_grad = torch._C._set_grad_enabled
 _grad_on = torch.is_grad_enabled
 
 
-def _checkable(t: torch.Tensor) -> torch.Tensor | None:
-    """What a finiteness check reduces: ``t`` itself for a strided floating tensor, its real
-    view for a complex one, None for anything always finite or not checkable (integers, bools,
-    an empty or a sparse tensor).
-
-    The check (``NanSentinel._checks``) is the tensor's smallest and largest element
-    (``aminmax``), both finite exactly when every element of ``t`` is: it propagates NaN, shows
-    +inf and -inf, and, unlike a sum, cannot overflow on large finite values; one reduction
-    (~3 us on a (256, 64) CPU tensor), written with ``out=`` into the sentinel's buffers
-    (``_observers.deferred.Slots``: nothing allocated, nothing read here), and torch_npu has
-    it (op-plugin's ``op_plugin_functions.yaml``: ``aminmax``, ``aminmax.out``).
-    """
-    if t.is_floating_point():
-        return t if t.layout is _strided and t.numel() else None
-    if t.is_complex() and t.layout is _strided and t.numel():
-        return torch.view_as_real(t)
-    return None  # integers and bools are always finite
-
-
 class _State:
     """The sentinel's per-call state: how far the (deferred) checks of this call got when
-    they were read."""
+    they were read (``_judge``, on a step that turned non-finite only)."""
 
-    __slots__ = ("call", "bad_input", "out_done", "incoming_bad", "grad_done", "incoming")
+    __slots__ = ("call", "bad_input", "out_done", "incoming_bad", "grad_done")
 
     def __init__(self, call: Call) -> None:
         self.call = call
-        # gradients flowing in, held until the call's ``grad_inputs`` when both come from one
-        # hook (``Call.hooked``): then checked together, one pass for the call's backward
-        self.incoming: list[tuple[str, torch.Tensor]] | None = None
         self.bad_input = False     # a non-finite input was handed in (reported as received)
         self.out_done = False      # an output was reported already
         self.incoming_bad = False  # a non-finite gradient flowed in (reported as received)
@@ -510,74 +495,72 @@ class NanSentinel(Observer):
     # ----------------------------------------------------------------- the observed call
     def _checks(self, st: _State, *groups: tuple[int, Iterable[tuple[Any, Any]]]) -> None:
         """Leave each checked tensor's smallest and largest element on its device, written into
-        the sentinel's buffers (``_observers.deferred.Slots``: not read here), with what makes
-        it a finding: ``groups`` are (what, (key, tensor or None) pairs), checked in order.
-        One pass, one grad-mode switch (``out=`` needs grad mode off when the tensor requires
-        grad; the reduction joins no graph) and one lock per call and direction, nothing
+        the sentinel's buffers (``_observers.deferred.Slots.put_many``: not read here), with
+        what makes it a finding: ``groups`` are (what, (key, tensor or None) pairs), checked in
+        order.
+
+        The hot path of the sentinel (every floating tensor of every guarded call, forward and
+        backward): per tensor only the type tests and the payload here, the slot and the
+        reduction in ``put_many``; per call one grad-mode switch (``out=`` needs grad mode off
+        when the tensor requires grad; the reduction joins no graph) and one lock; nothing
         converted (dtype and shape as they come, named at the event)."""
-        pending = self._pending
-        put = pending.put
+        items: list[tuple[torch.Tensor, _Check]] = []
         budget = self._keep_budget
-        grad = _grad_on()  # off in backward already; in forward, once per call, not per tensor
-        if grad:
+        for what, pairs in groups:
+            for key, t in pairs:
+                if not isinstance(t, torch.Tensor):
+                    continue
+                if t.is_floating_point():
+                    if t.layout is not _strided or not t.numel():
+                        continue
+                    x = t
+                elif t.is_complex() and t.layout is _strided and t.numel():
+                    x = torch.view_as_real(t)
+                else:
+                    continue  # integers and bools are always finite
+                kept = None
+                if budget:
+                    size = t.numel() * t.element_size()
+                    if self._kept + size <= budget:
+                        self._kept += size
+                        kept = t.detach()
+                items.append((x, (what, st, key, kept, t.dtype, t.shape)))
+        if not items:
+            return
+        if _grad_on():  # off in backward already; in forward, once per call, not per tensor
             _set_grad(False)
-        try:
-            with pending.lock:
-                for what, items in groups:
-                    for key, t in items:
-                        if not isinstance(t, torch.Tensor):
-                            continue
-                        x = _checkable(t)
-                        if x is None:
-                            continue
-                        kept = None
-                        if budget:
-                            size = t.numel() * t.element_size()
-                            if self._kept + size <= budget:
-                                self._kept += size
-                                kept = t.detach()
-                        lo, hi = put(x.dtype, x.device, (what, st, key, kept, t.dtype, t.shape))
-                        try:
-                            _aminmax(x, out=(lo, hi))
-                        except BaseException:
-                            lo.fill_(0)  # the slot is taken: finite, not a stale number
-                            hi.fill_(0)
-                            raise
-        finally:
-            if grad:
+            try:
+                self._pending.put_many(items, _aminmax)
+            finally:
                 _set_grad(True)
-        pending.settle()
+        else:
+            self._pending.put_many(items, _aminmax)
 
     def begin(self, call: Call) -> Any:
-        with self._lock:
-            self._calls += 1
+        self._calls += 1  # under the GIL; read only for the summary
         st = _State(call)
         self._checks(st, (_IN, call.inputs()))
         return st
 
     def end(self, call: Call, state: Any, out: Any) -> None:
-        if isinstance(out, torch.Tensor):
-            self._checks(state, (_OUT, (("output", out),)))
-        else:
-            self._checks(state, (_OUT, layer.outputs(out)))
+        self._checks(state, (_OUT, layer.outputs(out)))
         if self._at_call:
             self._read()
 
     def grad_output(self, call: Call, state: Any, label: str, position: int,
                     grad: torch.Tensor) -> None:
-        if call.hooked:  # grad_inputs comes next, from the same hook: checked with it
-            if state.incoming is None:
-                state.incoming = []
-            state.incoming.append((label, grad))
-            return
         self._checks(state, (_GRAD_IN, ((label, grad),)))
 
     def grad_inputs(self, call: Call, state: Any, grads: tuple[Any, ...]) -> None:
-        incoming, state.incoming = state.incoming, None
-        if incoming:
-            self._checks(state, (_GRAD_IN, incoming), (_GRAD_OUT, zip(call.grad_keys, grads)))
-        else:
-            self._checks(state, (_GRAD_OUT, zip(call.grad_keys, grads)))
+        self._checks(state, (_GRAD_OUT, zip(call.grad_keys, grads)))
+        if self._at_call:
+            self._read()
+
+    def node_grads(self, call: Call, state: Any,
+                 incoming: list[tuple[str, int, torch.Tensor]], grads: tuple[Any, ...]) -> None:
+        # a one-node op's whole backward in one pass: the gradients in, then those sent
+        self._checks(state, (_GRAD_IN, ((label, g) for label, _pos, g in incoming)),
+                     (_GRAD_OUT, zip(call.grad_keys, grads)))
         if self._at_call:
             self._read()
 

@@ -156,14 +156,14 @@ def test_pending_values_come_back_in_order_in_one_read() -> None:
 def test_slots_are_written_in_place_and_read_in_order_in_one_read() -> None:
     from opcontracts._observers.deferred import Slots, _Buffer
 
+    def fill(x: torch.Tensor, out: tuple[torch.Tensor, ...]) -> None:
+        for v, n in zip(out, x.tolist()):
+            v.fill_(n)
+
     s: Slots[str] = Slots(2)
-    cpu = torch.device("cpu")
     xs = [torch.tensor([1.0, 2.0], dtype=BF16), torch.tensor([3.0, -4.0]),
           torch.tensor([5.0, 6.0], dtype=BF16), torch.tensor([-7.0, 8.0], dtype=torch.float64)]
-    with s.lock:
-        for i, x in enumerate(xs):
-            lo, hi = s.put(x.dtype, cpu, f"check {i}")
-            torch.aminmax(x, out=(lo, hi))  # into the buffer: nothing allocated
+    s.put_many([(x, f"check {i}") for i, x in enumerate(xs)], torch.aminmax)  # in place
     with HostReads() as reads:
         got = s.read()
     assert reads.total == 1 and len(s) == 0  # three dtypes, one device: one read
@@ -172,26 +172,31 @@ def test_slots_are_written_in_place_and_read_in_order_in_one_read() -> None:
     # the buffers are reused: a second round overwrites the first, the non-finite ones found
     # among more checks than a chunk holds
     n = _Buffer.CHUNK  # checks of 2 numbers: two chunks
-    with s.lock:
-        for i in range(n):
-            lo, hi = s.put(torch.float32, cpu, f"again {i}")
-            lo.fill_(float(i))
-            hi.fill_(float("nan") if i in (3, n - 1) else float(i))
+    nan = float("nan")
+    s.put_many([(torch.tensor([float(i), nan if i in (3, n - 1) else float(i)]), f"again {i}")
+                for i in range(n)], fill)
     with HostReads() as reads:
         bad = s.read(only_nonfinite=True)
     assert reads.total == 1
     assert [p for p, _ in bad] == ["again 3", f"again {n - 1}"]
-    with s.lock:
-        lo, hi = s.put(torch.float64, cpu, "huge")  # finite, but their sum overflows
-        lo.fill_(1.7e308)
-        hi.fill_(1.7e308)
+    huge = torch.tensor([1.7e308, 1.7e308], dtype=torch.float64)  # finite; their sum is not
+    s.put_many([(huge, "huge")], fill)
+    assert s.read(only_nonfinite=True) == []
+    # a reduction that fails leaves its slot finite, not the number a previous read left there
+    s.put_many([(torch.tensor([nan, nan]), "stale")], fill)
+    assert [p for p, _ in s.read(only_nonfinite=True)] == ["stale"]
+
+    def broken(x: torch.Tensor, out: tuple[torch.Tensor, ...]) -> None:
+        raise RuntimeError("kernel failed")
+
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        s.put_many([(torch.tensor([1.0, 1.0]), "failed")], broken)
     assert s.read(only_nonfinite=True) == []
     full: list[int] = []
     s = Slots(2, limit=2, on_full=lambda: full.append(len(s)))
-    for i in range(2):
-        with s.lock:
-            s.put(torch.float32, cpu, i)
-        s.settle()
+    s.put_many([(torch.tensor([0.0, 0.0]), 0)], fill)
+    assert full == []
+    s.put_many([(torch.tensor([0.0, 0.0]), 1)], fill)
     assert full == [2]
 
 

@@ -159,13 +159,10 @@ class _Buffer:
         self.chunks.append(chunk)
         self.views.extend(chunk.unbind())
 
-    def claim(self, width: int) -> int:
-        """The position of ``width`` numbers more (a chunk more when the last is full)."""
-        pos = self.n
-        self.n = end = pos + width
+    def grow(self, end: int) -> None:
+        """Chunks enough for ``end`` numbers."""
         while end > len(self.views):
             self._grow(self.chunks[0].dtype)
-        return pos
 
     def written(self, n: int) -> list[torch.Tensor]:
         """The first ``n`` numbers, as a view of each chunk they are in (nothing copied)."""
@@ -188,9 +185,7 @@ class Slots(Generic[P]):
     buffer per device.  The buffers are overwritten after each read: the read waits for the
     device (``tolist``), so every number has been consumed by then.
 
-    Use: under ``lock``, ``put(dtype, device, payload)`` returns the ``width`` views the check
-    writes into; after releasing the lock, ``settle()`` reads (``on_full``) when ``limit``
-    checks are waiting."""
+    Use: ``put_many(items, reduce)`` with the (tensor, payload) pairs of one observed call."""
 
     def __init__(self, width: int = 2, limit: int = 4096,
                  on_full: Callable[[], None] | None = None) -> None:
@@ -205,18 +200,36 @@ class Slots(Generic[P]):
     def __len__(self) -> int:
         return len(self._checks)
 
-    def put(self, dtype: torch.dtype, device: torch.device, payload: P) -> list[torch.Tensor]:
-        """The views one check writes its ``width`` numbers into (call with ``lock`` held)."""
-        buf = self._buffers.get((dtype, device))
-        if buf is None:
-            self._buffers[(dtype, device)] = buf = _Buffer(dtype, device)
-        pos = buf.claim(self.width)
-        self._checks.append((buf, pos, payload))
-        return buf.views[pos:pos + self.width]
-
-    def settle(self) -> None:
-        """Read (``on_full``) when ``limit`` checks are waiting (call without ``lock``)."""
-        if len(self._checks) >= self.limit and self.on_full is not None:
+    def put_many(self, items: list[tuple[torch.Tensor, P]],
+                 reduce: Callable[..., object]) -> None:
+        """``reduce(x, out=views)`` for each (x, payload) of ``items``, in order: each check's
+        ``width`` numbers written into the buffer of ``x``'s dtype and device, one lock for
+        all (an observer's whole call); reads (``on_full``) afterwards when ``limit`` checks
+        are waiting.  The hot path of the NaN sentinel: per check a dict lookup, the
+        position, the reduction; no other call."""
+        w = self.width
+        with self.lock:
+            buffers = self._buffers
+            checks = self._checks
+            for x, payload in items:
+                key = (x.dtype, x.device)
+                buf = buffers.get(key)
+                if buf is None:
+                    buffers[key] = buf = _Buffer(x.dtype, x.device)
+                pos = buf.n
+                end = buf.n = pos + w
+                if end > len(buf.views):
+                    buf.grow(end)
+                checks.append((buf, pos, payload))
+                out = tuple(buf.views[pos:end])
+                try:
+                    reduce(x, out=out)
+                except BaseException:
+                    for v in out:  # the slot is taken: finite, not a stale number
+                        v.fill_(0)
+                    raise
+            full = len(checks) >= self.limit
+        if full and self.on_full is not None:
             self.on_full()
 
     def clear(self) -> None:

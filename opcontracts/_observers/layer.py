@@ -61,7 +61,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import itertools
 import sys
 import threading
 import warnings
@@ -99,26 +98,34 @@ Direction = Literal["forward", "backward"]
 
 
 # --------------------------------------------------------------------------- tensor helpers
-def tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[tuple[Any, torch.Tensor]]:
+def tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[Any, torch.Tensor]]:
     """(key, tensor) for the tensor arguments, one level into lists (``Tensor[]``); a key is
-    ``(position or keyword, index in the list or None)``."""
-    keyed: Iterator[tuple[Any, Any]] = itertools.chain(enumerate(args), kwargs.items())
-    for k, a in keyed:
-        if isinstance(a, torch.Tensor):
-            yield (k, None), a
-        elif isinstance(a, (list, tuple)):
-            for j, x in enumerate(a):
-                if isinstance(x, torch.Tensor):
-                    yield (k, j), x
+    ``(position or keyword, index in the list or None)``.  A list, built in one loop (no
+    generator: every watched call makes one)."""
+    found: list[tuple[Any, torch.Tensor]] = []
+    for keyed in (enumerate(args), kwargs.items()):
+        for k, a in keyed:
+            if isinstance(a, torch.Tensor):
+                found.append(((k, None), a))
+            elif isinstance(a, (list, tuple)):
+                for j, x in enumerate(a):
+                    if isinstance(x, torch.Tensor):
+                        found.append(((k, j), x))
+    return found
 
 
-def outputs(out: Any, prefix: str = "output") -> Iterator[tuple[str, torch.Tensor]]:
+def outputs(out: Any, prefix: str = "output") -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) for the tensor outputs: ``output``, ``output[1]``, ``output[0][2]``."""
     if isinstance(out, torch.Tensor):
-        yield prefix, out
-    elif isinstance(out, (list, tuple)):
+        return [(prefix, out)]
+    found: list[tuple[str, torch.Tensor]] = []
+    if isinstance(out, (list, tuple)):
         for i, x in enumerate(out):
-            yield from outputs(x, f"{prefix}[{i}]")
+            if isinstance(x, torch.Tensor):
+                found.append((f"{prefix}[{i}]", x))
+            elif isinstance(x, (list, tuple)):
+                found.extend(outputs(x, f"{prefix}[{i}]"))
+    return found
 
 
 def _flat_outputs(out: Any) -> list[torch.Tensor]:
@@ -332,7 +339,7 @@ class Call:
         got = self._inputs
         if got is None:
             assert self.args is not None and self.kwargs is not None
-            got = self._inputs = list(tensors(self.args, self.kwargs))
+            got = self._inputs = tensors(self.args, self.kwargs)
         return got
 
     def _place(self) -> None:
@@ -392,6 +399,16 @@ class Observer:
 
     def grad_inputs(self, call: Call, state: Any, grads: tuple[Any, ...]) -> None:
         """The gradients the op sent to its inputs, aligned with ``call.grad_keys``."""
+
+    def node_grads(self, call: Call, state: Any,
+                 incoming: list[tuple[str, int, torch.Tensor]], grads: tuple[Any, ...]) -> None:
+        """A one-node op's backward, after its node ran (``Call.hooked``): the gradients that
+        flowed in (label, output position, gradient) and those sent to the inputs; by default
+        ``grad_output`` for each, then ``grad_inputs``.  One call per node, so that an observer
+        can check the op's whole backward in one pass."""
+        for label, pos, g in incoming:
+            self.grad_output(call, state, label, pos, g)
+        self.grad_inputs(call, state, grads)
 
 
 class Counter:
@@ -481,15 +498,14 @@ def _node_posthook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) 
         return
     n_out, n_in = len(grad_outputs), len(grad_inputs)
     for call, grad_obs, idx, edges in node.metadata.get(_POST, ()):
+        incoming = []
         for pos, nr in idx:
             g = grad_outputs[nr] if nr < n_out else None
             if g is not None:
-                label = f"output[{nr}]" if len(idx) > 1 else "output"
-                for o, s in grad_obs:
-                    o.grad_output(call, s, label, pos, g)
+                incoming.append((f"output[{nr}]" if len(idx) > 1 else "output", pos, g))
         grads = tuple(grad_inputs[i] if i < n_in else None for i in edges)
         for o, s in grad_obs:
-            o.grad_inputs(call, s, grads)
+            o.node_grads(call, s, incoming, grads)
 
 
 def _direct_edges(node: Any, expected: list[tuple[Any, int, Any]]) -> list[int] | None:
