@@ -248,16 +248,14 @@ _grad_on = torch.is_grad_enabled
 
 class _State:
     """The sentinel's per-call state: how far the (deferred) checks of this call got when
-    they were read (``_judge``, on a step that turned non-finite only)."""
+    they were read (``_judge``, on a step that turned non-finite only).  No ``__init__``: the
+    flags start as the class's, and only ``call`` is set per call (``begin``)."""
 
-    __slots__ = ("call", "bad_input", "out_done", "incoming_bad", "grad_done")
-
-    def __init__(self, call: Call) -> None:
-        self.call = call
-        self.bad_input = False     # a non-finite input was handed in (reported as received)
-        self.out_done = False      # an output was reported already
-        self.incoming_bad = False  # a non-finite gradient flowed in (reported as received)
-        self.grad_done = False     # an input's gradient was reported already
+    call: Call
+    bad_input = False     # a non-finite input was handed in (reported as received)
+    out_done = False      # an output was reported already
+    incoming_bad = False  # a non-finite gradient flowed in (reported as received)
+    grad_done = False     # an input's gradient was reported already
 
 
 # what a check was of: an input, an output, a gradient flowing in, a gradient sent to an input
@@ -538,7 +536,8 @@ class NanSentinel(Observer):
 
     def begin(self, call: Call) -> Any:
         self._calls += 1  # under the GIL; read only for the summary
-        st = _State(call)
+        st = _State()
+        st.call = call
         self._checks(st, (_IN, call.inputs()))
         return st
 
@@ -559,8 +558,10 @@ class NanSentinel(Observer):
     def node_grads(self, call: Call, state: Any,
                  incoming: list[tuple[str, int, torch.Tensor]], grads: tuple[Any, ...]) -> None:
         # a one-node op's whole backward in one pass: the gradients in, then those sent
-        self._checks(state, (_GRAD_IN, ((label, g) for label, _pos, g in incoming)),
-                     (_GRAD_OUT, zip(call.grad_keys, grads)))
+        flowing = []
+        for label, _pos, g in incoming:
+            flowing.append((label, g))
+        self._checks(state, (_GRAD_IN, flowing), (_GRAD_OUT, zip(call.grad_keys, grads)))
         if self._at_call:
             self._read()
 

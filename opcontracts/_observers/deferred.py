@@ -221,7 +221,8 @@ class Slots(Generic[P]):
                 if end > len(buf.views):
                     buf.grow(end)
                 checks.append((buf, pos, payload))
-                out = tuple(buf.views[pos:end])
+                views = buf.views
+                out = (views[pos], views[pos + 1]) if w == 2 else tuple(views[pos:end])
                 try:
                     reduce(x, out=out)
                 except BaseException:

@@ -236,8 +236,11 @@ class _ModuleTracker:
             f = f.f_back
         if f is None:
             return None
-        leaf = _module_of(f)
-        if leaf is None:
+        try:
+            leaf = f.f_locals["self"]
+        except (KeyError, AttributeError):  # pragma: no cover - not torch's _call_impl
+            return None
+        if not isinstance(leaf, nn.Module):
             return None
         roots = self._roots
         known = roots.get(id(leaf))
@@ -503,7 +506,10 @@ def _node_posthook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) 
             g = grad_outputs[nr] if nr < n_out else None
             if g is not None:
                 incoming.append((f"output[{nr}]" if len(idx) > 1 else "output", pos, g))
-        grads = tuple(grad_inputs[i] if i < n_in else None for i in edges)
+        sent = []
+        for i in edges:
+            sent.append(grad_inputs[i] if i < n_in else None)
+        grads = tuple(sent)
         for o, s in grad_obs:
             o.node_grads(call, s, incoming, grads)
 
@@ -587,10 +593,12 @@ class _Dispatch:
                     sys._getframe(2))
         if backward:
             call.context = _context()
-        states = [o.begin(call) for o in observers]
+        states = []
         kept = False
         grad_obs: list[tuple[Observer, Any]] = []
-        for o, st in zip(observers, states):
+        for o in observers:
+            st = o.begin(call)
+            states.append(st)
             if st is not None:
                 kept = True
                 if o.grads:
@@ -676,12 +684,17 @@ class _Dispatch:
             one: Any = None
             if len(nodes) == 1:
                 one, idx = next(iter(nodes.values()))
-                edges = _direct_edges(one, [(t.grad_fn, t.output_nr, t) for t in direct])
+                expected = []
+                for t in direct:
+                    expected.append((t.grad_fn, t.output_nr, t))
+                edges = _direct_edges(one, expected)
             if edges is not None:
                 call.reused = set()  # one node: nothing of the op consumes its own outputs
                 call.hooked = True
-                _mark(call, iter((one,)))
                 md = one.metadata
+                prev = md.get(_CTX)  # ``_mark`` for the one node
+                if prev is None or prev.depth < call.depth:
+                    md[_CTX] = call
                 post = md.get(_POST)
                 if post is None:
                     md[_POST] = post = []
