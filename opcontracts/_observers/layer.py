@@ -214,6 +214,8 @@ class _ModuleTracker:
             weakref.WeakKeyDictionary())
         self.running = False
         self._code: Any = getattr(nn.Module._call_impl, "__code__", None)
+        self._wrapped: Any = getattr(getattr(nn.Module, "_wrapped_call_impl", None), "__code__",
+                                     None)
         # id(leaf) -> (weak leaf, weak root); an entry leaves with its leaf
         self._roots: dict[int, tuple[weakref.ref[nn.Module], weakref.ref[nn.Module]]] = {}
 
@@ -236,8 +238,11 @@ class _ModuleTracker:
             f = f.f_back
         if f is None:
             return None
+        # ``self`` from the frame of ``_wrapped_call_impl`` (``Module.__call__``) that called
+        # it, when there is one: its locals are three (``f_locals`` builds a dict of them)
+        up = f.f_back
         try:
-            leaf = f.f_locals["self"]
+            leaf = (up if up is not None and up.f_code is self._wrapped else f).f_locals["self"]
         except (KeyError, AttributeError):  # pragma: no cover - not torch's _call_impl
             return None
         if not isinstance(leaf, nn.Module):
@@ -673,10 +678,15 @@ class _Dispatch:
         the gradients flowing in; the probe has those sent to the inputs).  A probed call also
         teaches whether its op is a one-node op (``one_node``)."""
         nodes: dict[int, tuple[Any, list[tuple[int, int]]]] = {}
-        for pos, t in enumerate(_flat_outputs(out)):
-            node = t.grad_fn
-            if node is not None and t.requires_grad:
-                nodes.setdefault(id(node), (node, []))[1].append((pos, t.output_nr))
+        if isinstance(out, torch.Tensor):  # the usual case: one output, no loop
+            node = out.grad_fn
+            if node is not None and out.requires_grad:
+                nodes[id(node)] = (node, [(0, out.output_nr)])
+        else:
+            for pos, t in enumerate(_flat_outputs(out)):
+                node = t.grad_fn
+                if node is not None and t.requires_grad:
+                    nodes.setdefault(id(node), (node, []))[1].append((pos, t.output_nr))
         probe, call.probe_node = call.probe_node, None  # no cycle through the probe's context
         fn = call.fn
         if direct is not None:
