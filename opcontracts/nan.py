@@ -538,11 +538,12 @@ class NanSentinel(Observer):
         self._calls += 1  # under the GIL; read only for the summary
         st = _State()
         st.call = call
-        self._checks(st, (_IN, call.inputs()))
+        self._checks(st, (_IN, call.inputs))
         return st
 
     def end(self, call: Call, state: Any, out: Any) -> None:
-        self._checks(state, (_OUT, layer.outputs(out)))
+        self._checks(state, (_OUT, (("output", out),) if isinstance(out, torch.Tensor)
+                             else layer.outputs(out)))
         if self._at_call:
             self._read()
 

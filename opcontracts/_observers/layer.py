@@ -314,7 +314,7 @@ class Call:
 
     __slots__ = ("op", "fn", "args", "kwargs", "direction", "depth", "context", "grad_keys",
                  "reused", "probe_node", "hooked", "_frame", "_token", "_where", "_placed",
-                 "_inputs", "__weakref__")
+                 "inputs", "__weakref__")
 
     def __init__(self, op: str, fn: Callable[..., Any], args: tuple[Any, ...],
                  kwargs: dict[str, Any], direction: Direction, depth: int, frame: Any) -> None:
@@ -339,16 +339,9 @@ class Call:
         self._token: SiteToken | None = None
         self._where: tuple[nn.Module, nn.Module] | None = None
         self._placed = False  # token and where taken (from the frames, while the call ran)
-        self._inputs: list[tuple[Any, torch.Tensor]] | None = None
-
-    def inputs(self) -> list[tuple[Any, torch.Tensor]]:
-        """``tensors(args, kwargs)`` of this call, listed once (the observers and the layer's
-        gradient watching share the one pass); only while the call runs."""
-        got = self._inputs
-        if got is None:
-            assert self.args is not None and self.kwargs is not None
-            got = self._inputs = tensors(self.args, self.kwargs)
-        return got
+        # ``tensors(args, kwargs)``, listed once for the observers and the layer's gradient
+        # watching; dropped with the arguments when the call returns
+        self.inputs: list[tuple[Any, torch.Tensor]] = tensors(args, kwargs)
 
     def _place(self) -> None:
         """Take the call site and the module snapshot off the frames (once, during the call)."""
@@ -615,7 +608,7 @@ class _Dispatch:
             keys: list[Any] = []
             inputs: list[torch.Tensor] = []
             if grad_obs and grad:
-                for k, t in call.inputs():
+                for k, t in call.inputs:
                     if t.requires_grad:
                         keys.append(k)
                         inputs.append(t)
@@ -643,7 +636,8 @@ class _Dispatch:
             elif grad and self.contexts:
                 _mark(call, _output_nodes(out))  # only which call a backward node runs
         finally:
-            call.args = call.kwargs = call._inputs = None
+            call.args = call.kwargs = None
+            call.inputs = []
             call._frame = None
         return out
 
