@@ -40,9 +40,11 @@ inputs, and the gradients flowing into its outputs.
 
 Host reads (what stalls an accelerator): none per guarded call.  Each checked tensor (every
 floating argument and output, every gradient in and out) leaves its smallest and largest element
-on its device (``aminmax``, one reduction, no ``.item()``), and the step's checks are read back
-in one transfer (``_observers.deferred``) when a result is asked for: ``result()``, ``step()``, the end of
-the ``with`` block, each ``optimizer.step()`` with ``step_hook`` (or ``always_on``).  They are
+on its device (``aminmax``, one reduction, no ``.item()``), written in place into buffers made
+once (``_observers.deferred.Slots``), and the step's checks are read back in one transfer when a
+result is asked for: ``result()``, ``step()``, the end of the ``with`` block, each
+``optimizer.step()`` with ``step_hook`` (or ``always_on``); a step whose numbers are all finite
+is told from their sum, without a loop over its checks.  They are
 judged in the order they were made, so the first culprit is the one a read per call would name;
 the step that turned non-finite costs one more read (the culprit's NaN and inf counts).
 ``on_nan="warn"`` / ``"raise"`` react at the call, so they read at every checked call.

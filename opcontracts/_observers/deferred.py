@@ -3,15 +3,21 @@
 On an accelerator every host read of a device value (``.item()``, ``bool(t)``, ``.tolist()``)
 waits for the device queue to drain.  An observer that reads once per guarded call (the NaN
 sentinel's finiteness check, the compare's metrics) turns every guarded call into a
-synchronisation.  Instead, each check leaves a few numbers on the device (a float32 sum, a
-vector of metrics: a few bytes, no read) together with what it needs to become a finding
-(``payload``), and ``Pending.read`` fetches all of them in one transfer per device at a step
-boundary, in the order the checks were made.  The NaN sentinel and the shadow compare share
-this one mechanism, and ``StepBoundary`` (the end of ``optimizer.step()``, for a long run)
-is where both read.
+synchronisation.  Instead, each check leaves a few numbers on the device (a tensor's smallest
+and largest element, a vector of metrics: a few bytes, no read) together with what it needs to
+become a finding (``payload``), and the waiting numbers are fetched in one transfer per device
+at a step boundary, in the order the checks were made.  Two containers, one contract:
 
-Bounded: ``Pending`` reads by itself when ``limit`` values are waiting (a run that never asks
-for a result still holds at most ``limit`` small tensors and their payloads).
+* ``Slots``: fixed-width checks written in place (``out=``) into buffers made once and reused
+  from read to read; the NaN sentinel's, a few hundred numbers a step, where allocating and
+  stacking a tensor per number was most of the cost;
+* ``Pending``: device tensors of any size, each kept as it came (the shadow compare's metric
+  vectors, the culprit's NaN and inf counts).
+
+``StepBoundary`` (the end of ``optimizer.step()``, for a long run) is where both observers read.
+
+Bounded: each reads by itself when ``limit`` checks are waiting (a run that never asks for a
+result holds at most ``limit`` checks and their payloads).
 """
 
 from __future__ import annotations
@@ -35,8 +41,7 @@ class Pending(Generic[P]):
     them then, so that memory stays bounded in a run that never asks.
 
     Kept flat (the tensors in one list, how many belong to each payload in another), so that
-    adding is two list operations and the read stacks the one list: the NaN sentinel adds
-    two scalars per checked tensor, a few hundred a step."""
+    the read stacks the one list."""
 
     def __init__(self, limit: int = 4096, on_full: Callable[[], None] | None = None) -> None:
         self.limit = limit
@@ -64,17 +69,6 @@ class Pending(Generic[P]):
         if full and self.on_full is not None:
             self.on_full()
 
-    def add_many(self, parts: list[torch.Tensor], payloads: list[P], width: int) -> None:
-        """``add`` for several payloads at once, ``width`` tensors each (in order in
-        ``parts``): one lock for a whole call's checks."""
-        with self._lock:
-            self._parts.extend(parts)
-            self._widths.extend([width] * len(payloads))
-            self._payloads.extend(payloads)
-            full = len(self._payloads) >= self.limit
-        if full and self.on_full is not None:
-            self.on_full()
-
     def clear(self) -> None:
         with self._lock:
             self._parts, self._widths, self._payloads = [], [], []
@@ -89,7 +83,7 @@ class Pending(Generic[P]):
             return []
         w0 = widths[0]
         if len(parts) == w0 * len(payloads) and widths.count(w0) == len(widths):
-            # the NaN sentinel's case: every payload ``w0`` scalars; one flat list, sliced
+            # every payload ``w0`` scalars (the culprit's counts): one flat list, sliced
             try:
                 stacked = torch.stack(parts)
             except RuntimeError:  # sizes that differ, or several devices: the general path
