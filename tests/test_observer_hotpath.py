@@ -19,26 +19,37 @@ def test_the_cheap_call_site_is_the_same_line_as_the_full_lookup() -> None:
     assert site_of(None) is None
 
 
+Seen = list[tuple[str | None, str | None]]
+
+
+class Leaf(nn.Module):
+    """Records the module path the tracker reads while it runs."""
+
+    def __init__(self, seen: Seen) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(layer.module_name(layer._modules.snapshot()))
+        return x
+
+
+class Block(nn.Module):
+    def __init__(self, seen: Seen) -> None:
+        super().__init__()
+        self.mlp = Leaf(seen)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x)
+
+
 def test_module_path_from_the_frames_names_leaf_under_root() -> None:
-    seen: list[tuple[str | None, str | None]] = []
-
-    class Leaf(nn.Module):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            seen.append(layer.module_name(layer._modules.snapshot()))
-            return x
-
-    class Block(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.mlp = Leaf()
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.mlp(x)
+    seen: Seen = []
 
     class Root(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.layers = nn.ModuleList([Block(), Block()])
+            self.layers = nn.ModuleList([Block(seen), Block(seen)])
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             for b in self.layers:
@@ -60,26 +71,14 @@ def test_module_path_from_the_frames_names_leaf_under_root() -> None:
 def test_a_leaf_keeps_the_root_it_was_first_seen_under_until_tracking_restarts() -> None:
     import gc
 
-    seen: list[tuple[str | None, str | None]] = []
-
-    class Leaf(nn.Module):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            seen.append(layer.module_name(layer._modules.snapshot()))
-            return x
-
-    class Root(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.mlp = Leaf()
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.mlp(x)
+    seen: Seen = []
+    Root = Block  # a root with one leaf, ``mlp``
 
     tracker = layer._modules
     was = tracker.running
     tracker.start()
     try:
-        root = Root()
+        root = Root(seen)
         root(torch.zeros(1))
         root.mlp(torch.zeros(1))  # called on its own (a recompute): the path it had
         assert id(root.mlp) in tracker._roots
