@@ -537,7 +537,8 @@ class NanSentinel(Observer):
             self._pending.put_many(items, _aminmax)
 
     def begin(self, call: Call) -> Any:
-        self._calls += 1  # under the GIL; read only for the summary
+        with self._lock:  # a ``+=`` is not atomic between threads (backward's, the main one)
+            self._calls += 1
         st = _State()
         st.call = call
         self._checks(st, (_IN, call.inputs))
