@@ -137,7 +137,7 @@ class _Buffer:
     0-d view of each element (made once, when its position is first reached), which a check
     writes into with ``out=``."""
 
-    __slots__ = ("chunks", "views", "n", "device")
+    __slots__ = ("chunks", "views", "n", "cap", "device")
 
     CHUNK = 1024  # numbers per chunk: 512 checks of the NaN sentinel
 
@@ -145,6 +145,7 @@ class _Buffer:
         self.chunks: list[torch.Tensor] = []
         self.views: list[torch.Tensor] = []
         self.n = 0  # numbers written since the last read
+        self.cap = 0  # numbers the chunks hold (len(views))
         self.device = device
         self._grow(dtype)
 
@@ -152,6 +153,7 @@ class _Buffer:
         chunk = torch.empty(self.CHUNK, dtype=dtype, device=self.device)
         self.chunks.append(chunk)
         self.views.extend(chunk.unbind())
+        self.cap = len(self.views)
 
     def grow(self, end: int) -> None:
         """Chunks enough for ``end`` numbers."""
@@ -212,7 +214,7 @@ class Slots(Generic[P]):
                     buffers[key] = buf = _Buffer(x.dtype, x.device)
                 pos = buf.n
                 end = buf.n = pos + w
-                if end > len(buf.views):
+                if end > buf.cap:
                     buf.grow(end)
                 checks.append((buf, pos, payload))
                 views = buf.views
