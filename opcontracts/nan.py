@@ -545,8 +545,7 @@ class NanSentinel(Observer):
         return st
 
     def end(self, call: Call, state: Any, out: Any) -> None:
-        self._checks(state, (_OUT, (("output", out),) if isinstance(out, torch.Tensor)
-                             else layer.outputs(out)))
+        self._checks(state, (_OUT, layer.outputs(out)))
         if self._at_call:
             self._read()
 

@@ -137,7 +137,7 @@ class _Buffer:
     0-d view of each element (made once, when its position is first reached), which a check
     writes into with ``out=``."""
 
-    __slots__ = ("chunks", "views", "n", "cap", "device")
+    __slots__ = ("chunks", "views", "n", "cap", "dtype", "device")
 
     CHUNK = 1024  # numbers per chunk: 512 checks of the NaN sentinel
 
@@ -146,19 +146,17 @@ class _Buffer:
         self.views: list[torch.Tensor] = []
         self.n = 0  # numbers written since the last read
         self.cap = 0  # numbers the chunks hold (len(views))
+        self.dtype = dtype
         self.device = device
-        self._grow(dtype)
-
-    def _grow(self, dtype: torch.dtype) -> None:
-        chunk = torch.empty(self.CHUNK, dtype=dtype, device=self.device)
-        self.chunks.append(chunk)
-        self.views.extend(chunk.unbind())
-        self.cap = len(self.views)
+        self.grow(1)
 
     def grow(self, end: int) -> None:
         """Chunks enough for ``end`` numbers."""
-        while end > len(self.views):
-            self._grow(self.chunks[0].dtype)
+        while end > self.cap:
+            chunk = torch.empty(self.CHUNK, dtype=self.dtype, device=self.device)
+            self.chunks.append(chunk)
+            self.views.extend(chunk.unbind())
+            self.cap = len(self.views)
 
     def written(self, n: int) -> list[torch.Tensor]:
         """The first ``n`` numbers, as a view of each chunk they are in (nothing copied)."""

@@ -238,14 +238,8 @@ class _ModuleTracker:
             f = f.f_back
         if f is None:
             return None
-        # ``self`` from the frame of ``_wrapped_call_impl`` (``Module.__call__``) that called
-        # it, when there is one: its locals are three (``f_locals`` builds a dict of them)
-        up = f.f_back
-        try:
-            leaf = (up if up is not None and up.f_code is self._wrapped else f).f_locals["self"]
-        except (KeyError, AttributeError):  # pragma: no cover - not torch's _call_impl
-            return None
-        if not isinstance(leaf, nn.Module):
+        leaf = self._module_of(f)
+        if leaf is None:
             return None
         roots = self._roots
         known = roots.get(id(leaf))
@@ -259,7 +253,7 @@ class _ModuleTracker:
             if f.f_code is code:
                 outer = f
             f = f.f_back
-        root = _module_of(outer)
+        root = self._module_of(outer)
         if root is None:
             return None
         key = id(leaf)
@@ -269,6 +263,17 @@ class _ModuleTracker:
 
         roots[key] = (weakref.ref(leaf, forget), weakref.ref(root))
         return root, leaf
+
+    def _module_of(self, frame: Any) -> nn.Module | None:
+        """The module a ``_call_impl`` frame runs (its ``self``), read from the frame of
+        ``_wrapped_call_impl`` (``Module.__call__``) that called it when there is one: its
+        locals are three (``f_locals`` builds a dict of them), ``_call_impl``'s eight."""
+        up = frame.f_back
+        try:
+            m = (up if up is not None and up.f_code is self._wrapped else frame).f_locals["self"]
+        except (KeyError, AttributeError):  # pragma: no cover - not torch's _call_impl
+            return None
+        return m if isinstance(m, nn.Module) else None
 
     def name(self, snap: tuple[nn.Module, nn.Module] | None) -> tuple[str | None, str | None]:
         if snap is None:
@@ -282,15 +287,6 @@ class _ModuleTracker:
         if name is None:  # not registered under the root (called functionally)
             name = f"{type(root).__name__} > {type(leaf).__name__}"
         return name, type(leaf).__name__
-
-
-def _module_of(frame: Any) -> nn.Module | None:
-    """The module a ``_call_impl`` frame runs (its ``self``)."""
-    try:
-        m = frame.f_locals["self"]
-    except (KeyError, AttributeError):  # pragma: no cover - not torch's _call_impl
-        return None
-    return m if isinstance(m, nn.Module) else None
 
 
 _modules = _ModuleTracker()
@@ -672,15 +668,10 @@ class _Dispatch:
         the gradients flowing in; the probe has those sent to the inputs).  A probed call also
         teaches whether its op is a one-node op (``one_node``)."""
         nodes: dict[int, tuple[Any, list[tuple[int, int]]]] = {}
-        if isinstance(out, torch.Tensor):  # the usual case: one output, no loop
-            node = out.grad_fn
-            if node is not None and out.requires_grad:
-                nodes[id(node)] = (node, [(0, out.output_nr)])
-        else:
-            for pos, t in enumerate(_flat_outputs(out)):
-                node = t.grad_fn
-                if node is not None and t.requires_grad:
-                    nodes.setdefault(id(node), (node, []))[1].append((pos, t.output_nr))
+        for pos, t in enumerate(_flat_outputs(out)):
+            node = t.grad_fn
+            if node is not None and t.requires_grad:
+                nodes.setdefault(id(node), (node, []))[1].append((pos, t.output_nr))
         probe, call.probe_node = call.probe_node, None  # no cycle through the probe's context
         fn = call.fn
         if direct is not None:
