@@ -128,20 +128,6 @@ def outputs(out: Any, prefix: str = "output") -> list[tuple[str, torch.Tensor]]:
     return found
 
 
-def _flat_outputs(out: Any) -> list[torch.Tensor]:
-    """The tensor outputs in ``outputs``' order, without their names (the layer's own use)."""
-    if isinstance(out, torch.Tensor):
-        return [out]
-    flat: list[torch.Tensor] = []
-    if isinstance(out, (list, tuple)):
-        for x in out:
-            if isinstance(x, torch.Tensor):
-                flat.append(x)
-            elif isinstance(x, (list, tuple)):
-                flat.extend(_flat_outputs(x))
-    return flat
-
-
 def in_backward() -> bool:
     """Whether this thread is running an autograd backward pass right now."""
     return bool(torch._C._current_graph_task_id() != -1)
@@ -310,7 +296,7 @@ class Call:
 
     __slots__ = ("op", "fn", "args", "kwargs", "direction", "depth", "context", "grad_keys",
                  "reused", "probe_node", "hooked", "_frame", "_token", "_where", "_placed",
-                 "inputs", "__weakref__")
+                 "inputs", "outputs", "__weakref__")
 
     def __init__(self, op: str, fn: Callable[..., Any], args: tuple[Any, ...],
                  kwargs: dict[str, Any], direction: Direction, depth: int, frame: Any) -> None:
@@ -338,6 +324,9 @@ class Call:
         # ``tensors(args, kwargs)``, listed once for the observers and the layer's gradient
         # watching; dropped with the arguments when the call returns
         self.inputs: list[tuple[Any, torch.Tensor]] = tensors(args, kwargs)
+        # ``outputs(out)``, listed once when the kernel returned (before ``Observer.end``) for
+        # the observers and the layer's hooks; dropped when the call returns
+        self.outputs: list[tuple[str, torch.Tensor]] = []
 
     def _place(self) -> None:
         """Take the call site and the module snapshot off the frames (once, during the call)."""
@@ -387,7 +376,8 @@ class Observer:
         return None
 
     def end(self, call: Call, state: Any, out: Any) -> None:
-        """After the kernel returned ``out`` (not called when it raised)."""
+        """After the kernel returned ``out`` (not called when it raised); ``call.outputs`` has
+        its tensors, named (``outputs(out)``)."""
 
     def grad_output(self, call: Call, state: Any, label: str, position: int,
                     grad: torch.Tensor) -> None:
@@ -466,9 +456,20 @@ def _mark(call: Call, nodes: Iterator[Any]) -> None:
 
 def _output_nodes(out: Any) -> Iterator[Any]:
     """The autograd nodes of the outputs that require grad (a node once per tensor)."""
-    for t in _flat_outputs(out):
+    for _name, t in outputs(out):
         if t.requires_grad and t.grad_fn is not None:
             yield t.grad_fn
+
+
+_LABELS = tuple(f"output[{nr}]" for nr in range(16))  # made once, not per gradient
+
+
+def _label(nr: int, several: bool) -> str:
+    """How a gradient flowing into output ``nr`` of a node is named: ``output`` when the call
+    has one output there, else ``output[nr]``."""
+    if not several:
+        return "output"
+    return _LABELS[nr] if nr < 16 else f"output[{nr}]"
 
 
 def _node_prehook(grad_outputs: tuple[Any, ...]) -> None:
@@ -481,7 +482,7 @@ def _node_prehook(grad_outputs: tuple[Any, ...]) -> None:
         for pos, nr in idx:
             g = grad_outputs[nr] if nr < len(grad_outputs) else None
             if g is not None:
-                label = f"output[{nr}]" if len(idx) > 1 else "output"
+                label = _label(nr, len(idx) > 1)
                 for o, s in grad_obs:
                     o.grad_output(call, s, label, pos, g)
 
@@ -495,15 +496,13 @@ def _node_posthook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) 
         return
     n_out, n_in = len(grad_outputs), len(grad_inputs)
     for call, grad_obs, idx, edges in node.metadata.get(_POST, ()):
+        several = len(idx) > 1
         incoming = []
         for pos, nr in idx:
             g = grad_outputs[nr] if nr < n_out else None
             if g is not None:
-                incoming.append((f"output[{nr}]" if len(idx) > 1 else "output", pos, g))
-        sent = []
-        for i in edges:
-            sent.append(grad_inputs[i] if i < n_in else None)
-        grads = tuple(sent)
+                incoming.append((_label(nr, several), pos, g))
+        grads = tuple([grad_inputs[i] if i < n_in else None for i in edges])
         for o, s in grad_obs:
             o.node_grads(call, s, incoming, grads)
 
@@ -624,16 +623,17 @@ class _Dispatch:
             tls.depth = depth
         try:
             if kept:
+                call.outputs = outputs(out)
                 for o, st in zip(observers, states):
                     if st is not None:
                         o.end(call, st, out)
             if grad_obs:
-                self._hook_outputs(call, grad_obs, out, direct)
+                self._hook_outputs(call, grad_obs, direct)
             elif grad and self.contexts:
                 _mark(call, _output_nodes(out))  # only which call a backward node runs
         finally:
             call.args = call.kwargs = None
-            call.inputs = []
+            call.inputs = call.outputs = []
             call._frame = None
         return out
 
@@ -660,7 +660,7 @@ class _Dispatch:
                 target[pos] = type(target[pos])(seq) if isinstance(target[pos], tuple) else seq
         return tuple(new_args), new_kwargs
 
-    def _hook_outputs(self, call: Call, grad_obs: list[tuple[Observer, Any]], out: Any,
+    def _hook_outputs(self, call: Call, grad_obs: list[tuple[Observer, Any]],
                       direct: list[torch.Tensor] | None) -> None:
         """The outputs' autograd nodes learn that they run this call's backward (``_CTX``) and
         hand the call's gradients to its observers: a one-node op's node through the shared
@@ -668,10 +668,11 @@ class _Dispatch:
         the gradients flowing in; the probe has those sent to the inputs).  A probed call also
         teaches whether its op is a one-node op (``one_node``)."""
         nodes: dict[int, tuple[Any, list[tuple[int, int]]]] = {}
-        for pos, t in enumerate(_flat_outputs(out)):
-            node = t.grad_fn
-            if node is not None and t.requires_grad:
-                nodes.setdefault(id(node), (node, []))[1].append((pos, t.output_nr))
+        for pos, (_name, t) in enumerate(call.outputs):
+            if t.requires_grad:
+                node = t.grad_fn
+                if node is not None:
+                    nodes.setdefault(id(node), (node, []))[1].append((pos, t.output_nr))
         probe, call.probe_node = call.probe_node, None  # no cycle through the probe's context
         fn = call.fn
         if direct is not None:
@@ -679,10 +680,7 @@ class _Dispatch:
             one: Any = None
             if len(nodes) == 1:
                 one, idx = next(iter(nodes.values()))
-                expected = []
-                for t in direct:
-                    expected.append((t.grad_fn, t.output_nr, t))
-                edges = _direct_edges(one, expected)
+                edges = _direct_edges(one, [(t.grad_fn, t.output_nr, t) for t in direct])
             if edges is not None:
                 call.reused = set()  # one node: nothing of the op consumes its own outputs
                 call.hooked = True
