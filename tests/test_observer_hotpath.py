@@ -5,6 +5,7 @@ in backward the forward call whose node runs it (the node's metadata)."""
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import torch
 from torch import nn
@@ -119,3 +120,30 @@ def test_a_call_in_backward_finds_its_forward_call_in_the_running_node() -> None
     y.sum().backward()
     assert found == [inner]
     assert layer._context() is None  # outside any node
+
+
+def test_a_call_lists_its_outputs_once_and_keeps_no_tensor_after_it(npu: Any) -> None:
+    # ``Call.outputs`` is ``outputs(out)`` (the same tensors, named) while the observers and the
+    # layer's hooks run, and dropped with the arguments when the call returns
+    seen: list[tuple[layer.Call, list[str], bool]] = []
+
+    class Keep(layer.Observer):
+        def begin(self, call: layer.Call) -> Any:
+            return True
+
+        def end(self, call: layer.Call, state: Any, out: Any) -> None:
+            want = layer.outputs(out)
+            same = len(want) == len(call.outputs) and all(
+                a is b for (_, a), (_, b) in zip(call.outputs, want))
+            seen.append((call, [n for n, _ in call.outputs], same))
+
+    obs = Keep()
+    layer.attach(obs)
+    try:
+        npu.npu_moe_token_permute(torch.randn(8, 4, dtype=torch.bfloat16),
+                                  torch.randint(0, 4, (8, 2)))
+    finally:
+        layer.detach(obs)
+    ((call, names, same),) = seen
+    assert names == ["output[0]", "output[1]"] and same
+    assert call.outputs == [] and call.inputs == [] and call.args is None and call.kwargs is None
