@@ -76,7 +76,7 @@ def sweep_times(n: int, repeat: int) -> dict[str, float]:
             layer._layer.restore()
 
         for label, fn in (("patch alias sweep", patch_sweep),
-                          ("observer layer sweep", layer_sweep)):
+                          ("observer layer wrap + restore (two sweeps)", layer_sweep)):
             ts = []
             for _ in range(repeat):
                 t0 = time.perf_counter()
