@@ -513,9 +513,10 @@ class NanSentinel(Observer):
                 if t.is_floating_point():
                     if t.layout is not _strided or not t.numel():
                         continue
-                    x = t.detach() if t.requires_grad else t
+                    d = x = t.detach() if t.requires_grad else t
                 elif t.is_complex() and t.layout is _strided and t.numel():
-                    x = torch.view_as_real(t.detach())
+                    d = t.detach() if t.requires_grad else t
+                    x = torch.view_as_real(d)
                 else:
                     continue  # integers and bools are always finite
                 kept = None
@@ -523,7 +524,7 @@ class NanSentinel(Observer):
                     size = t.numel() * t.element_size()
                     if self._kept + size <= budget:
                         self._kept += size
-                        kept = t.detach()
+                        kept = d  # the tensor itself, out of any graph (one detach at most)
                 items.append((x, (what, st, key, kept, t.dtype, t.shape)))
         if items:
             self._pending.put_many(items, _aminmax)

@@ -65,7 +65,7 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from types import ModuleType
 from typing import Any, Literal
 
@@ -444,7 +444,7 @@ def _context() -> Call | None:
     return got if isinstance(got, Call) else None
 
 
-def _mark(call: Call, nodes: Iterator[Any]) -> None:
+def _mark(call: Call, nodes: Iterable[Any]) -> None:
     """Tell ``nodes`` (the outputs' autograd nodes) that they run ``call``'s backward; the
     innermost call wins when a wrapper and the op it calls share a node."""
     for node in nodes:
@@ -684,10 +684,8 @@ class _Dispatch:
             if edges is not None:
                 call.reused = set()  # one node: nothing of the op consumes its own outputs
                 call.hooked = True
+                _mark(call, (one,))
                 md = one.metadata
-                prev = md.get(_CTX)  # ``_mark`` for the one node
-                if prev is None or prev.depth < call.depth:
-                    md[_CTX] = call
                 post = md.get(_POST)
                 if post is None:
                     md[_POST] = post = []
