@@ -33,7 +33,9 @@ larger tensors: what is per call shrinks relative to the step).
 ``--paired N`` adds, per observer, N pairs of back-to-back steps, one observed and one with the
 observer switched off at the layer's dispatch (``time_paired``): the median and quartiles of
 the pairs' wall-time ratios, a figure whose spread is a few percent on a machine whose rounds
-swing by ten.
+swing by ten, and the median extra time of the observed step divided by its guarded calls
+(``us a guarded call``): what the observer costs per call, forward and backward together,
+which a larger step (``--batch``) does not dilute.
 """
 
 from __future__ import annotations
@@ -153,8 +155,9 @@ def time_rounds(step: Step, kinds: tuple[str, ...], rounds: int, per: int
     return times
 
 
-def time_paired(step: Step, kind: str, pairs: int) -> list[float]:
-    """Per pair of consecutive steps, the observed step's wall time over the bare one's, with
+def time_paired(step: Step, kind: str, pairs: int) -> list[tuple[float, float]]:
+    """Per pair of consecutive steps, the observed step's wall time over the bare one's, and
+    the seconds it took more (what the observer costs the step, whatever its size), with
     the observer attached throughout and switched off for the bare step at the layer's
     dispatch (``_Dispatch.observers``: what the wrapper reads before anything else, so the
     bare step pays the wrapper's two attribute reads and nothing more).  Pairs alternate
@@ -163,7 +166,7 @@ def time_paired(step: Step, kind: str, pairs: int) -> list[float]:
     from opcontracts._observers import layer
 
     pc = time.perf_counter
-    ratios: list[float] = []
+    ratios: list[tuple[float, float]] = []
     with observed(kind) as boundary:
         d = layer._dispatch
         on = d.observers
@@ -180,7 +183,7 @@ def time_paired(step: Step, kind: str, pairs: int) -> list[float]:
                     if which:
                         boundary()
                     spans[which] = pc() - t0
-                ratios.append(spans[True] / spans[False])
+                ratios.append((spans[True] / spans[False], spans[True] - spans[False]))
         finally:
             d.observers = on
     return ratios
@@ -231,10 +234,15 @@ def main(argv: list[str] | None = None) -> int:
                 for kind in kinds:
                     if kind in ("bare", "strict"):
                         continue  # nothing attached to switch off
-                    r = sorted(time_paired(step, kind, ns.paired))
+                    paired = time_paired(step, kind, ns.paired)
+                    r = sorted(x for x, _ in paired)
                     q1, q3 = r[len(r) // 4], r[(3 * len(r)) // 4]
+                    # the step's extra time spread over its guarded calls: the figure that does
+                    # not shrink with a larger step (``--batch``), i.e. the per-call budget
+                    per_call = statistics.median(d for _, d in paired) / counted[kind][0] * 1e6
                     print(f"{layers:6d} {kind:20s} paired x {statistics.median(r):.3f} "
-                          f"(quartiles {q1:.3f}-{q3:.3f}, {len(r)} pairs, wall time)")
+                          f"(quartiles {q1:.3f}-{q3:.3f}, {len(r)} pairs, wall time), "
+                          f"{per_call:+.0f} us a guarded call")
     print(f"python {sys.version.split()[0]}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} thread(s), opcontracts {opcontracts.__version__}, "
           f"{rounds} rounds x {per} steps, {demo.BATCH} x {demo.SEQ} tokens per step")

@@ -215,9 +215,31 @@ def test_the_paired_benchmark_observes_one_step_of_each_pair(moe: types.ModuleTy
     monkeypatch.setattr(NanSentinel, "begin", counting)
     step = bench_accelerator.Step(moe, 2)
     ratios = bench_accelerator.time_paired(step, "sentinel always-on", 4)
-    assert len(ratios) == 4 and all(r > 0 for r in ratios)
+    assert len(ratios) == 4 and all(r > 0 for r, _extra in ratios)
     per_step = 4  # 2 layers: a permute and an unpermute each
     assert len(begun) == per_step * (3 + 4)  # the 3 warm steps and one step of each pair
     from opcontracts._observers import layer
 
+    assert layer.attached() == [] and layer._dispatch.observers == ()
+
+
+def test_the_parts_benchmark_times_each_part_of_the_observed_steps_only(
+        moe: types.ModuleType) -> None:
+    import bench_accelerator
+    import bench_sentinel_parts
+
+    from opcontracts import nan
+    from opcontracts._observers import layer
+
+    before = (layer.Call.__init__, layer.Call._place, NanSentinel._checks, nan._aminmax,
+              layer._Dispatch._hook_outputs, layer._node_posthook, NanSentinel.step)
+    step = bench_accelerator.Step(moe, 2)
+    parts, bare, observed, calls = bench_sentinel_parts.measure(step, 4)
+    assert calls == 4 and len(bare) == len(observed) == 4
+    # every part ran in the observed steps (a part renamed in the package shows up here)
+    assert all(parts[p] > 0 for p in bench_sentinel_parts.PARTS), parts
+    assert parts["reductions"] < parts["checks"]
+    # the wrappers are off again, nothing attached
+    assert (layer.Call.__init__, layer.Call._place, NanSentinel._checks, nan._aminmax,
+            layer._Dispatch._hook_outputs, layer._node_posthook, NanSentinel.step) == before
     assert layer.attached() == [] and layer._dispatch.observers == ()
