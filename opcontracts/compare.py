@@ -441,14 +441,13 @@ class ShadowCompare(Observer):
             return None
         assert call.args is not None and call.kwargs is not None
         args, kwargs = call.args, call.kwargs
-        given, given_kwargs = args, kwargs
         fixed = _repaired(call, args, kwargs)
         if fixed is not None:  # judged on what the kernel gets
             args, kwargs = fixed
             with self._lock:
                 self._repaired += 1
         grad = (self.backward and torch.is_grad_enabled()
-                and any(t.requires_grad for _, t in layer.tensors(given, given_kwargs)))
+                and any(t.requires_grad for _, t in call.inputs))
         try:
             device = self._device_of()
             up = _upcast_map(args, kwargs)
@@ -460,7 +459,7 @@ class ShadowCompare(Observer):
             return None
         st = _State(ref, cargs, ckwargs, grad, device)
         if grad:  # the user's tensors (the gradients reach them) by their copies' positions
-            originals = list(layer.tensors(given, given_kwargs))
+            originals = call.inputs  # the arguments as given (``args`` may be repaired)
             copies = list(layer.tensors(cargs, ckwargs))
             st.by_key = {k: c for (k, t), (_, c) in zip(originals, copies) if t.requires_grad
                          and c.requires_grad}
