@@ -155,18 +155,21 @@ def time_rounds(step: Step, kinds: tuple[str, ...], rounds: int, per: int
     return times
 
 
-def time_paired(step: Step, kind: str, pairs: int) -> list[tuple[float, float]]:
-    """Per pair of consecutive steps, the observed step's wall time over the bare one's, and
-    the seconds it took more (what the observer costs the step, whatever its size), with
+def time_paired(step: Step, kind: str, pairs: int,
+                observed_step: Callable[[], None] | None = None) -> list[tuple[float, float]]:
+    """Per pair of consecutive steps, (the observed step's wall time, the bare one's), with
     the observer attached throughout and switched off for the bare step at the layer's
     dispatch (``_Dispatch.observers``: what the wrapper reads before anything else, so the
     bare step pays the wrapper's two attribute reads and nothing more).  Pairs alternate
     which step runs first; a slow phase of a shared machine hits both steps of a pair, so the
-    spread of the ratios is a few percent where whole rounds swing by ten."""
+    spread of the pairs' ratios is a few percent where whole rounds swing by ten.
+    ``observed_step`` runs in place of ``step`` for the observed steps (a caller that
+    accounts something per observed step)."""
     from opcontracts._observers import layer
 
     pc = time.perf_counter
-    ratios: list[tuple[float, float]] = []
+    run_observed = step if observed_step is None else observed_step
+    spans: list[tuple[float, float]] = []
     with observed(kind) as boundary:
         d = layer._dispatch
         on = d.observers
@@ -175,18 +178,20 @@ def time_paired(step: Step, kind: str, pairs: int) -> list[tuple[float, float]]:
             boundary()
         try:
             for i in range(pairs):
-                spans = {}
+                pair = {}
                 for which in ((False, True) if i % 2 else (True, False)):
                     d.observers = on if which else ()
                     t0 = pc()
-                    step()
                     if which:
+                        run_observed()
                         boundary()
-                    spans[which] = pc() - t0
-                ratios.append((spans[True] / spans[False], spans[True] - spans[False]))
+                    else:
+                        step()
+                    pair[which] = pc() - t0
+                spans.append((pair[True], pair[False]))
         finally:
             d.observers = on
-    return ratios
+    return spans
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -235,11 +240,12 @@ def main(argv: list[str] | None = None) -> int:
                     if kind in ("bare", "strict"):
                         continue  # nothing attached to switch off
                     paired = time_paired(step, kind, ns.paired)
-                    r = sorted(x for x, _ in paired)
+                    r = sorted(o / b for o, b in paired)
                     q1, q3 = r[len(r) // 4], r[(3 * len(r)) // 4]
                     # the step's extra time spread over its guarded calls: the figure that does
                     # not shrink with a larger step (``--batch``), i.e. the per-call budget
-                    per_call = statistics.median(d for _, d in paired) / counted[kind][0] * 1e6
+                    extra = statistics.median(o - b for o, b in paired)
+                    per_call = extra / counted[kind][0] * 1e6
                     print(f"{layers:6d} {kind:20s} paired x {statistics.median(r):.3f} "
                           f"(quartiles {q1:.3f}-{q3:.3f}, {len(r)} pairs, wall time), "
                           f"{per_call:+.0f} us a guarded call")

@@ -37,7 +37,7 @@ import contextlib
 import statistics
 import sys
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -48,7 +48,7 @@ PARTS = ("call record", "call site + module", "checks", "reductions", "output ho
 
 
 @contextlib.contextmanager
-def timed_parts(totals: dict[str, float], counts: Counter[str],
+def timed_parts(totals: dict[str, float],
                 parts: tuple[str, ...] = PARTS) -> Iterator[None]:
     """Wrap each of ``parts`` with a timer while inside (every wrapper is taken off on
     exit)."""
@@ -74,7 +74,6 @@ def timed_parts(totals: dict[str, float], counts: Counter[str],
             finally:
                 dt = pc() - t0
                 totals[part] += dt
-                counts[part] += 1
                 if hook:
                     in_hook[0] = False
                 elif part == "checks" and in_hook[0]:
@@ -99,9 +98,9 @@ def timed_parts(totals: dict[str, float], counts: Counter[str],
 
 def measure(step: Any, steps: int) -> tuple[dict[str, float], list[float], list[float], int]:
     """(part -> seconds per observed step, bare step times, observed step times, guarded calls
-    per step) for the always-on sentinel on ``step``: steps alternate between observed and
-    bare (the sentinel switched off at the layer's dispatch, as ``bench_accelerator``'s
-    ``time_paired`` does), so that a slow phase of the machine hits both alike.  Two passes:
+    per step) for the always-on sentinel on ``step``: observed and bare steps in pairs (the
+    sentinel switched off at the layer's dispatch: ``bench_accelerator.time_paired``), so that
+    a slow phase of the machine hits both alike.  Two passes:
     the reductions are timed alone, so that their timers (one per checked tensor) do not
     count in ``checks``; the step times are the first pass's."""
     import bench_accelerator as bench
@@ -119,38 +118,23 @@ def measure(step: Any, steps: int) -> tuple[dict[str, float], list[float], list[
 
 def _pass(step: Any, steps: int, parts: tuple[str, ...],
           kept: dict[str, float]) -> tuple[list[float], list[float]]:
-    """``steps`` observed and ``steps`` bare steps with ``parts`` timed: adds the observed
-    steps' time per part to ``kept``; (bare step times, observed step times)."""
+    """``steps`` pairs of observed and bare steps (``bench_accelerator.time_paired``) with
+    ``parts`` timed: adds the observed steps' time per part to ``kept`` (the bare step's read
+    of nothing is not the sentinel's cost); (bare step times, observed step times)."""
     import bench_accelerator as bench
 
-    from opcontracts._observers import layer
-
     totals: dict[str, float] = defaultdict(float)
-    counts: Counter[str] = Counter()
-    bare: list[float] = []
-    observed: list[float] = []
-    pc = time.perf_counter
-    with timed_parts(totals, counts, parts):
-        # the sentinel made inside the wrappers: its optimizer-step hook is the timed ``step``
-        with bench.observed("sentinel always-on"):
-            d = layer._dispatch
-            on = d.observers
-            for _ in range(3):
-                step()
-            try:
-                for i in range(2 * steps):
-                    watched = i % 4 in (0, 3)  # on, off, off, on: each first as often
-                    d.observers = on if watched else ()
-                    before = dict(totals)
-                    t0 = pc()
-                    step()
-                    (observed if watched else bare).append(pc() - t0)
-                    if watched:  # the bare step's read (of nothing) is not the sentinel's cost
-                        for part, v in totals.items():
-                            kept[part] += v - before.get(part, 0.0)
-            finally:
-                d.observers = on
-    return bare, observed
+
+    def observed_step() -> None:
+        before = dict(totals)
+        step()
+        for part, v in totals.items():
+            kept[part] += v - before.get(part, 0.0)
+
+    with timed_parts(totals, parts):
+        # the sentinel is made inside the wrappers: its optimizer-step hook is the timed read
+        spans = bench.time_paired(step, "sentinel always-on", steps, observed_step)
+    return [b for _, b in spans], [o for o, _ in spans]
 
 
 def main(argv: list[str] | None = None) -> int:

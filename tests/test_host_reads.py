@@ -215,7 +215,7 @@ def test_the_paired_benchmark_observes_one_step_of_each_pair(moe: types.ModuleTy
     monkeypatch.setattr(NanSentinel, "begin", counting)
     step = bench_accelerator.Step(moe, 2)
     ratios = bench_accelerator.time_paired(step, "sentinel always-on", 4)
-    assert len(ratios) == 4 and all(r > 0 for r, _extra in ratios)
+    assert len(ratios) == 4 and all(o > 0 and b > 0 for o, b in ratios)
     per_step = 4  # 2 layers: a permute and an unpermute each
     assert len(begun) == per_step * (3 + 4)  # the 3 warm steps and one step of each pair
     from opcontracts._observers import layer
