@@ -543,6 +543,9 @@ def build_parser() -> argparse.ArgumentParser:
     from ._tools.selftest import add_parser as _add_selftest_parser  # imports nothing until run
 
     _add_selftest_parser(sub)
+    from ._tools.scan import add_parser as _add_scan_parser  # imports nothing until run
+
+    _add_scan_parser(sub)
     return p
 
 
