@@ -4,7 +4,9 @@ and every ```console block's commands print what the block shows.
 A console block holds commands (lines starting with ``$ ``, run from the repository root;
 ``opcontracts`` is the CLI, run as ``python -m opcontracts``) each followed by the exact lines
 it prints (stdout and stderr together, trailing spaces ignored); a line ``...`` alone stands for
-any number of lines.  Only cheap, deterministic commands belong there (```bash / ```text for the
+any number of lines, and a line ending in `` ...`` for any line that begins with the text before
+it (what varies from one machine to another: a path, a version, a loss).  Only commands of a few
+seconds whose output is the same on every machine belong there (```bash / ```text for the
 rest)."""
 
 from __future__ import annotations
@@ -73,8 +75,15 @@ def _commands(block: list[str]) -> list[tuple[str, list[str]]]:
     return out
 
 
+def _line(expected: str, got: str) -> bool:
+    if expected.endswith(" ...") and expected.strip() != "...":
+        return got.startswith(expected[:-3])
+    return expected == got
+
+
 def matches(expected: list[str], got: list[str]) -> bool:
-    """Whether ``got`` is ``expected``, each ``...`` line standing for any number of lines."""
+    """Whether ``got`` is ``expected``, each ``...`` line standing for any number of lines and
+    each line ending in `` ...`` for one line that begins with the text before it."""
     memo: dict[tuple[int, int], bool] = {}
 
     def at(i: int, j: int) -> bool:
@@ -84,7 +93,7 @@ def matches(expected: list[str], got: list[str]) -> bool:
             elif expected[i] == "...":
                 r = at(i + 1, j) or (j < len(got) and at(i, j + 1))
             else:
-                r = j < len(got) and expected[i] == got[j] and at(i + 1, j + 1)
+                r = j < len(got) and _line(expected[i], got[j]) and at(i + 1, j + 1)
             memo[(i, j)] = r
         return memo[(i, j)]
 
@@ -106,6 +115,11 @@ def test_matcher() -> None:
     assert not matches(["a", "...", "d"], ["a", "b", "c"])
     assert not matches(["a", "b"], ["a", "b", "c"])
     assert matches(["..."], [])
+    assert matches(["loss ...", "b"], ["loss 0.25", "b"])
+    assert matches(["loss ..."], ["loss ..."])
+    assert not matches(["loss ..."], ["grad 0.25"])
+    assert not matches(["loss ..."], ["loss 1", "loss 2"])  # one line, not several
+    assert not matches(["a ... b"], ["a x b"])  # only at the end of a line
 
 
 def test_pages_exist() -> None:

@@ -1,4 +1,4 @@
-"""Emulated ops of the attention family (issue 15): one ``EmulatedOp`` entry per op (see
+"""Emulated ops of the attention family: one ``EmulatedOp`` entry per op (see
 ``_family``); their references live in ``opcontracts.reference._fam_attention``.
 
 Backward: ``npu_fusion_attention`` and ``npu_fusion_attention_v2`` have backward kernels of

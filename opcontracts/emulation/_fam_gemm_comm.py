@@ -1,4 +1,4 @@
-"""Emulated ops of the grouped GEMM family (issue 15): one ``EmulatedOp`` entry per op (see
+"""Emulated ops of the grouped GEMM family: one ``EmulatedOp`` entry per op (see
 ``_family``); their references live in ``opcontracts.reference._fam_gemm_comm`` (which says
 what the communication fusions compute in one process).
 

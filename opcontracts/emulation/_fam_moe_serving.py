@@ -1,4 +1,4 @@
-"""Emulated ops of the moe serving family (issue 15): vllm-ascend's MoE inference path, one
+"""Emulated ops of the moe serving family: vllm-ascend's MoE inference path, one
 ``EmulatedOp`` entry per op (see ``_family``); their references live in
 ``opcontracts.reference._fam_moe_serving``.
 

@@ -1,5 +1,5 @@
 """Emulated backward kernels of the MoE token family: the routing-map permute / unpermute grad
-ops (issue 22), one ``EmulatedOp`` entry per op (see ``_family``); their references live in
+ops, one ``EmulatedOp`` entry per op (see ``_family``); their references live in
 ``opcontracts.reference._grads``.
 
 torch_npu defines them from 2.6.0.post3 on, with the routing-map ops (the wheel digest: the

@@ -1,4 +1,4 @@
-"""Emulated ops of the norm / activation / rotary / loss / quantisation family (issue 15): one
+"""Emulated ops of the norm / activation / rotary / loss / quantisation family: one
 ``EmulatedOp`` entry per op (see ``_family``); their references (the kernels' math) live in
 ``opcontracts.reference._fam_norm_quant``.
 

@@ -1,4 +1,4 @@
-"""Stand-in of MindSpeed's ``mindspeed/core/transformer/moe/grouped_matmul_util.py`` (#22).
+"""Stand-in of MindSpeed's ``mindspeed/core/transformer/moe/grouped_matmul_util.py``.
 
 What MindSpeed's MoE experts train through (``GroupedMLP``'s ``get_gmm_op_cls().gmm_apply``,
 the overlap MLPs' ``op_forward`` / ``op_dx`` / ``op_dw``), read from MindSpeed master

@@ -22,7 +22,7 @@ Users add their own::
     reference.register("my_op", my_reference_fn)      # same parameters as the op
     reference.get("my_op")                            # Reference(name, forward, ...)
 
-**Adding a shipped op** (issue 15 and later): in the family module it belongs to
+**Adding a shipped op**: in the family module it belongs to
 (``_fam_attention.py``, ``_fam_norm_quant.py``, ``_fam_gemm_comm.py``, ``_fam_moe_serving.py``)
 write its forward, its example builder (the probe's and the compare test's starting point) and
 ONE ``Reference(...)`` entry in that module's ``REFERENCES`` (name, forward, example, source;

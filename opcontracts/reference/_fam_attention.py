@@ -1,4 +1,4 @@
-"""References of the attention family (issue 15): the training kernels (``_attention``: fusion
+"""References of the attention family: the training kernels (``_attention``: fusion
 attention, its v2 and their grad kernels) and the serving kernels (``_attention_infer``), their
 example inputs, and one ``Reference`` entry per op in ``REFERENCES`` (``_table`` appends them).
 

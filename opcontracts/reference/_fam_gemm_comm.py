@@ -1,4 +1,4 @@
-"""References of the grouped GEMM family (issue 15): the forward of each op in plain PyTorch,
+"""References of the grouped GEMM family: the forward of each op in plain PyTorch,
 and one ``Reference`` entry per op in ``REFERENCES`` (``_table`` appends them).
 
 torch_npu ops (torch_npu 2.14.0 ``_op_plugin_docs.py`` and ``_meta_registrations.py``):

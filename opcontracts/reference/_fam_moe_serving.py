@@ -1,4 +1,4 @@
-"""References of the moe serving family (issue 15): vllm-ascend's MoE inference ops, the forward
+"""References of the moe serving family: vllm-ascend's MoE inference ops, the forward
 of each in plain PyTorch, and one ``Reference`` entry per op in ``REFERENCES`` (``_table``
 appends them).
 

@@ -1,4 +1,4 @@
-"""References of the norm / activation / rotary / loss / quantisation family (issue 15): the
+"""References of the norm / activation / rotary / loss / quantisation family: the
 forward of each op in plain PyTorch, its example builder, and one ``Reference`` entry per op in
 ``REFERENCES`` (``_table`` appends them).
 

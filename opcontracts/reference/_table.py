@@ -117,6 +117,6 @@ SHIPPED: tuple[Reference, ...] = (
               example=_examples.ring, source=f"{_MS}npu_ring_attention_update.md"),
 )
 
-# issue 15 and later: each family module holds its own entries
+# the families: each family module holds its own entries
 SHIPPED += (_fam_attention.REFERENCES + _fam_norm_quant.REFERENCES + _fam_gemm_comm.REFERENCES
             + _fam_moe_serving.REFERENCES)
