@@ -127,6 +127,10 @@ def write(folder: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    if args and (args[0].startswith("-") or len(args) > 1):
+        print("usage: python -m opcontracts._engine.contract_index [CONTRACTS_FOLDER]\n"
+              "(re)write the folder's index.json; default: the shipped contracts", file=sys.stderr)
+        return 0 if args[0] in ("-h", "--help") else 2
     folder = Path(args[0]) if args else shipped_folder()
     print(f"wrote {write(folder)}")
     return 0

@@ -324,7 +324,7 @@ def get_contract(op: str) -> Contract:
 
 
 def _merge_arg(a: Arg, b: Arg) -> Arg:
-    """Both rules at once: the dtypes both accept (in ``a``'s order of preference), every rule
+    """Both rules at once: the dtypes and the values both accept (in ``a``'s order), every rule
     either sets (``a``'s wins where both set the same field), optional only if both say so.
     Disjoint dtype sets cannot both hold: the narrower one is kept so calls are still checked."""
     from ..spec import Arg
@@ -349,6 +349,10 @@ def _merge_arg(a: Arg, b: Arg) -> Arg:
         data["dtype_if_present"] = {k: v for k, v in extra.items() if v} or None
     elif b.dtype is not None:
         data["dtype_if_present"] = b.dtype_if_present
+    if a.allowed is not None and b.allowed is not None:
+        # both lists hold: the values both allow (disjoint ones: the shorter list is kept)
+        both = [v for v in a.allowed if v in b.allowed]
+        data["allowed"] = both or list(b.allowed if len(b.allowed) < len(a.allowed) else a.allowed)
     data["optional"] = a.optional and b.optional
     if a.layer != b.layer and a.layer is not None and b.layer is not None:
         # rules of two layers in one argument: each source says its layer
