@@ -91,12 +91,29 @@ def _what(exc: BaseException) -> str | None:
     return None
 
 
+_DATA = os.sep + os.path.join("torch", "utils", "data") + os.sep
+_LOADER = ("a torch DataLoader, which reads values (its random seed, the samples it collates); "
+           "give the step a batch of the right shape instead (`batch = torch.zeros(B, S, "
+           "dtype=torch.long, device='npu') if opcontracts.preflight.active() else "
+           "next(batches)`)")
+
+
+def _through_data_loader(tb: TracebackType | None) -> bool:
+    while tb is not None:
+        if _DATA in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def explain(exc: BaseException) -> str | None:
     """One message for an exception fake tensors caused, at the user's line; None for any
     other exception (the script's own error)."""
     what = _what(exc)
     if what is None:
         return None
+    if _through_data_loader(exc.__traceback__):
+        what = f"runs {_LOADER}"
     where = user_line(exc.__traceback__)
     if where is None:
         at = "the script"
