@@ -546,6 +546,9 @@ def build_parser() -> argparse.ArgumentParser:
     from ._tools.scan import add_parser as _add_scan_parser  # imports nothing until run
 
     _add_scan_parser(sub)
+    from ._tools.preflight_cli import add_parser as _add_preflight_parser  # nothing until run
+
+    _add_preflight_parser(sub)
     return p
 
 
