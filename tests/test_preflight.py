@@ -122,8 +122,16 @@ def test_steps_end_the_block_after_that_many_optimizer_steps(workdir: Path) -> N
 
 
 def test_fake_device_counts_live_npu_bytes_and_their_peak() -> None:
-    emulation.install(emulation.current_profile().name if emulation.installed() else "narrow",
-                      device=True)
+    was = emulation.installed()
+    emulation.install(emulation.current_profile().name if was else "narrow", device=True)
+    try:
+        _count_live_bytes()
+    finally:
+        if not was:  # the process as it was: later tests detect no torch_npu stand-in
+            emulation.uninstall()
+
+
+def _count_live_bytes() -> None:
     with FakeDevice() as dev:
         a = torch.empty(1024, 256, device="npu")  # 1 MiB
         b = torch.empty(1024, 256, device="npu", dtype=torch.bfloat16)
