@@ -14,11 +14,9 @@ inputs recorded...): no clean bill.
 
 from __future__ import annotations
 
-import json
 import sys
 import warnings
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 __all__ = ["add_parser"]
@@ -78,19 +76,20 @@ def _cmd_check_dump(ns: Any, load: Loader) -> int:
 
     load(ns.contracts or ())
     result = check_dump.check_path(ns.path, _env(ns))
-    data = json.dumps(check_dump.to_json(result), indent=2) if ns.json else ""
+    from .._jsonout import json_text
+
+    data = json_text(check_dump.to_json(result)) if ns.json else ""
     if ns.json == "-":
         print(data)
     else:
         print(check_dump.render(result))
         if ns.json:
+            from .._jsonout import OutputError, write_text
+
             try:
-                out = Path(ns.json)
-                out.parent.mkdir(parents=True, exist_ok=True)
-                out.write_text(data + "\n", encoding="utf-8")
-            except OSError as exc:
-                print(f"opcontracts check-dump: --json {ns.json}: cannot write: "
-                      f"{exc.strerror or exc}", file=sys.stderr)
+                write_text(ns.json, data + "\n", "--json")
+            except OutputError as exc:
+                print(f"opcontracts check-dump: {exc}", file=sys.stderr)
                 return 2
     return result.status
 
