@@ -28,6 +28,9 @@ MAX_MEMBER = 256 << 20
 """the most characters one member's value may span (msprobe's entries are a few kB)"""
 
 _WS = re.compile(r"[ \t\n\r]*")
+# a member's key without escapes, and its colon: the common case, read in one match
+_FIRST_KEY = re.compile(r'[ \t\n\r]*"([^"\\\x00-\x1f]*)"[ \t\n\r]*:')
+_NEXT_KEY = re.compile(r'[ \t\n\r]*,[ \t\n\r]*"([^"\\\x00-\x1f]*)"[ \t\n\r]*:')
 _DECODER = json.JSONDecoder()
 # what raw_decode says of text that is cut short rather than malformed
 _NEAR_END = 16
@@ -142,6 +145,13 @@ class ObjectStream:
         while True:
             if self._pending:
                 raise RuntimeError("ObjectStream.members: a member's value was not read")
+            m = (_FIRST_KEY if first else _NEXT_KEY).match(self._buf, self._pos)
+            if m is not None:
+                self._pos = m.end()
+                first = False
+                self._pending = True
+                yield m.group(1)
+                continue
             c = self.peek()
             if c == "}":
                 self._pos += 1
