@@ -245,6 +245,20 @@ def test_a_deeply_nested_dump_is_one_line_naming_the_file_and_entry(capsys: Any,
     assert "data['NPU.npu_rms_norm.0.forward']" in err and "nested too deeply" in err
 
 
+def test_lists_nested_just_below_what_json_reads_are_judged_without_a_traceback(
+        capsys: Any, tmp_path: Path) -> None:
+    """Lists nested hundreds deep, which the JSON scanner reads: the argument is no tensor,
+    judged as such (the reader does not recurse into them)."""
+    rank = tmp_path / "rank0"
+    rank.mkdir()
+    deep = "[" * 500 + "]" * 500
+    (rank / "dump.json").write_text('{"task": "statistics", "data": {"NPU.npu_rms_norm.0.forward":'
+                                    ' {"input_args": [' + deep + "]}}}")
+    code, out, err = run(capsys, rank)
+    assert "Traceback" not in out + err and err == ""
+    assert code == 1 and "argument 'self' is a list, expected a tensor" in out
+
+
 def test_a_deeply_nested_stack_json_names_it(capsys: Any, tmp_path: Path) -> None:
     rank = tmp_path / "rank0"
     shutil.copytree(CLEAN / "step0" / "rank0", rank)

@@ -17,8 +17,17 @@ Which contracts apply is decided on the stacks judged: the flags' (``--torch-npu
 checker accepts is accepted; one it rejects is judged on each reading of the op's contracts
 (``_engine.readings``): rejected on every reading of a stack, a violation; on some only,
 *conditional* (a version still unknown decides), reported with the readings that reject it and
-never counted as a violation.  Findings are merged over ranks (which ranks saw each), steps
-kept apart.
+never counted as a violation.  Unlike the guard, which raises on the first rule broken, every
+argument a call breaks is found (the rule broken taken off and the call judged again), each
+with its own verdict.  Findings are merged over ranks (which ranks saw each; a rank without a
+dump of a step said as such), steps kept apart.
+
+What cannot be judged is said, never taken for clean: an argument whose record a rule cannot
+read (``msprobe_dump.Unreadable``: no dtype, a size that is none; a value recorded in a form no
+rule reads) is counted per op, argument and why, the call's other arguments judged; a dump
+where not one call could be judged whole has ``status`` 3.  Dumps are read one entry at a
+time (``msprobe_dump``), and findings aggregated as they come: memory does not grow with the
+dump.
 """
 
 from __future__ import annotations
@@ -113,6 +122,8 @@ class Judgement(NamedTuple):
     unread: tuple[tuple[str, str], ...] = ()
 
 
+MEMO_SIZE = 1 << 16
+"""distinct recorded signatures whose verdicts are remembered"""
 MAX_FINDINGS_PER_CALL = 64
 """rules relaxed, at most, to find the next argument a call breaks"""
 
@@ -229,6 +240,8 @@ class Judge:
         hit = self._verdicts.get(key)
         if hit is not None:
             return hit
+        if len(self._verdicts) >= MEMO_SIZE:  # a dump of ever-new shapes: memory stays bounded
+            self._verdicts.clear()
         res = self.resolution(op)
         out = Judgement([])
         if res.strict is not None:

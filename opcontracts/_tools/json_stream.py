@@ -127,8 +127,8 @@ class ObjectStream:
                 raise self.error(exc.msg, exc.pos) from None
             except RecursionError:
                 raise StreamError(f"{what or 'a value'} at {self.where()}: nested too deeply "
-                                  "to read (lists or objects inside one another, thousands "
-                                  "deep)") from None
+                                  "to read (lists or objects inside one another, about a "
+                                  "thousand deep or more)") from None
             if end == len(self._buf) and not self._eof and self._fill():
                 continue  # a number at the end of the chunk may go on in the next one
             self._pos = end

@@ -182,13 +182,20 @@ def _tensor(v: dict[str, Any]) -> TensorMeta | Unreadable:
     return TensorMeta(dtype, tuple(shape), kind)
 
 
-def _value(v: Any) -> Any:
+MAX_DEPTH = 16
+"""lists inside lists a recorded argument may have (a tensor list is one)"""
+
+
+def _value(v: Any, depth: int = 0) -> Any:
     """A recorded argument as the checker sees it: TensorMeta, a Python value, a list, None,
-    Opaque, or Unreadable (a tensor whose record lacks what a rule reads)."""
+    Opaque, or Unreadable (a tensor whose record lacks what a rule reads, lists nested deeper
+    than ``MAX_DEPTH``)."""
     if v is None:
         return None
     if isinstance(v, list):
-        return [_value(x) for x in v]
+        if depth >= MAX_DEPTH:
+            return Unreadable("list", f"lists nested more than {MAX_DEPTH} deep")
+        return [_value(x, depth + 1) for x in v]
     if not isinstance(v, dict):
         return Opaque(type(v).__name__)
     kind = v.get("type")
