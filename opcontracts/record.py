@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from ._jsonout import replace_text
 from ._observers import layer
 from ._observers.contract_out import dumps_contracts, stack_text, utc_now
 from ._observers.layer import Call, Observer
@@ -310,5 +311,5 @@ class Recorder(Observer):
                            if self.record_violations else
                            "Calls that broke a contract were left out: ")
                           + ", ".join(f"{op} ({n})" for op, n in sorted(left.items())) + ".")
-        p.write_text(dumps_contracts(self.contracts(script=script, origin=origin), header), encoding="utf-8")
+        replace_text(p, dumps_contracts(self.contracts(script=script, origin=origin), header))
         return p

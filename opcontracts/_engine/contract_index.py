@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .._jsonout import replace_text
+
 __all__ = ["INDEX_NAME", "UnreadableFile", "build", "entries_from_files", "fingerprint", "load", "shipped_folder",
            "write"]
 
@@ -120,8 +122,7 @@ def load(folder: Path) -> list[dict[str, Any]] | None:
 def write(folder: Path) -> Path:
     """(Re)write ``folder``'s index; returns its path."""
     path = folder / INDEX_NAME
-    path.write_text(json.dumps(build(folder), indent=1, sort_keys=True) + "\n",
-                    encoding="utf-8")
+    replace_text(path, json.dumps(build(folder), indent=1, sort_keys=True) + "\n")
     return path
 
 
