@@ -7,7 +7,8 @@ finite and whose results were not:
 
 * forward: an output of the op is non-finite while every tensor argument was finite;
 * backward: a gradient the op sends to one of its inputs is non-finite while the gradients
-  flowing into its outputs were finite; a guarded op *called* during backward (a ``*_grad``
+  flowing into its outputs were finite and its forward inputs were finite (an op handed a NaN
+  in forward computes its backward from it: the NaN was received, not made); a guarded op *called* during backward (a ``*_grad``
   kernel) is checked like a forward call and reported as ``backward``, with the forward op
   whose backward was running.
 
@@ -462,7 +463,9 @@ class NanSentinel(Observer):
             found.append((call.op, "backward", "received", key, t, dtype, shape, call.site,
                           call.where))
         else:
-            if st.incoming_bad or st.grad_done:
+            # handed a non-finite input in forward (its saved tensors hold it) or a non-finite
+            # gradient in backward: the gradients it sends are not this op's doing
+            if st.bad_input or st.incoming_bad or st.grad_done:
                 return
             st.grad_done = True
             found.append((call.op, "backward", "input_grad", layer.arg_name(call.fn, key), t,

@@ -1,0 +1,157 @@
+"""The command line and the NaN sentinel under bad input, and what a new user trips on: an op
+blamed for the NaN it was handed, ``python -OO``, ``run`` on a folder, a script that changes
+folder, outputs that cannot be written, ``run -q``, help texts, near matches, settings checked
+first, ``probe``'s own calls, the warnings' call sites, ``report merge`` without torch, and
+``run --json`` next to the script's prints.  Each test failed on the code before its fix."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import opcontracts.patch as patch
+from opcontracts import Arg, Contract, nan
+from opcontracts._engine import registry
+from opcontracts.cli import main as cli_main
+from opcontracts.nan import NanSentinel
+
+ROOT = Path(__file__).resolve().parent.parent
+MOD = "trust4_nan_ops"
+
+
+def cli(capsys: Any, *argv: str) -> tuple[int, str, str]:
+    """``opcontracts ARGV`` in this process: (exit status, stdout, stderr); no traceback."""
+    try:
+        rc = cli_main(list(argv))
+    except SystemExit as exc:  # argparse's usage errors and --help
+        rc = exc.code if isinstance(exc.code, int) else 2
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err, err
+    return rc, out, err
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPCONTRACTS_")}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def _sub(*args: str, cwd: Path | None = None, timeout: int = 300,
+         **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True,
+                          cwd=cwd or ROOT, env=_env(**env), timeout=timeout)
+
+
+# --------------------------------------------------------------------------- the sentinel
+class _Mul(torch.autograd.Function):
+    """A one-node fused op: ``x * w``, whose backward uses the saved inputs."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, w = ctx.saved_tensors
+        return g * w, g * x
+
+
+def _fused(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return _Mul.apply(x, w)
+
+
+def _composite(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x * w  # plain torch ops: several nodes
+
+
+def _nan_grad(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    from _broken_kernels import NanGrad
+
+    return NanGrad.apply(x) * w  # finite forward, a NaN made in backward
+
+
+@pytest.fixture
+def mulops() -> Iterator[types.ModuleType]:
+    was_patched = patch.is_applied()
+    before = {c.op for c in registry.all_contracts()}
+    mod = types.ModuleType(MOD)
+    for name, fn in (("fused", _fused), ("composite", _composite), ("nan_grad", _nan_grad)):
+        setattr(mod, name, fn)
+    sys.modules[MOD] = mod
+    patch.apply([Contract(f"t4.{n}", {"x": Arg("fp32")}, targets=[f"{MOD}.{n}"], source="test")
+                 for n in ("fused", "composite", "nan_grad")])
+    try:
+        yield mod
+    finally:
+        s = nan.active()
+        if s is not None:
+            s.disable()
+        patch.unpatch()
+        del sys.modules[MOD]
+        for c in registry.all_contracts():
+            if c.op not in before:
+                registry.unregister(c.op)
+        if was_patched:
+            patch.apply()
+
+
+@pytest.mark.parametrize("always_on", [False, True])
+@pytest.mark.parametrize("op", ["fused", "composite"])
+def test_the_backward_of_an_op_handed_a_nan_is_not_blamed(mulops: types.ModuleType, op: str,
+                                                          always_on: bool) -> None:
+    x = torch.tensor([1.0, float("nan")], requires_grad=True)
+    w = torch.tensor([2.0, 3.0], requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # always_on warns at a culprit: there is none
+        with NanSentinel(always_on=always_on) as s:
+            getattr(mulops, op)(x, w).sum().backward()  # the gradient flowing in is finite
+    r = s.result()
+    assert r.first is None and r.events == [], r.summary()
+    assert r.received is not None
+    assert (r.received.op, r.received.direction, r.received.kind, r.received.arg) == (
+        f"t4.{op}", "forward", "received", "x")
+    assert w.grad is not None and torch.isnan(w.grad).any()  # the NaN did reach w's gradient
+
+
+@pytest.mark.parametrize("always_on", [False, True])
+def test_after_a_received_nan_the_first_op_that_makes_one_is_still_named(
+        mulops: types.ModuleType, always_on: bool) -> None:
+    x = torch.tensor([1.0, float("nan")], requires_grad=True)
+    w = torch.tensor([2.0, 3.0], requires_grad=True)
+    v = torch.tensor([1.0, 1.0], requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with NanSentinel(always_on=always_on) as s:
+            a = mulops.fused(x, w)                  # handed a NaN: received
+            b = mulops.nan_grad(v, w)               # finite in, NaN made in its backward
+            (a.sum() + b.sum()).backward()
+    r = s.result()
+    assert r.first is not None, r.summary()
+    assert (r.first.op, r.first.direction, r.first.kind) == ("t4.nan_grad", "backward",
+                                                             "input_grad")
+    assert [e.op for e in r.events] == ["t4.nan_grad"]
+
+
+@pytest.mark.parametrize("always_on", [False, True])
+def test_a_backward_handed_a_non_finite_gradient_is_received(mulops: types.ModuleType,
+                                                             always_on: bool) -> None:
+    x = torch.tensor([1.0, 2.0], requires_grad=True)
+    w = torch.tensor([2.0, 3.0], requires_grad=True)
+    with NanSentinel(always_on=always_on) as s:
+        (mulops.fused(x, w) * float("nan")).sum().backward()  # NaN made by plain torch
+    r = s.result()
+    assert r.first is None and r.received is not None
+    assert (r.received.op, r.received.direction, r.received.kind) == ("t4.fused", "backward",
+                                                                      "received")
