@@ -155,3 +155,34 @@ def test_a_backward_handed_a_non_finite_gradient_is_received(mulops: types.Modul
     assert r.first is None and r.received is not None
     assert (r.received.op, r.received.direction, r.received.kind) == ("t4.fused", "backward",
                                                                       "received")
+
+
+# --------------------------------------------------------------------------- python -OO
+@pytest.mark.parametrize("argv", [["--version"], ["env"], ["selftest", "--help"],
+                                  ["list", "npu_moe_token_unpermute"], ["run", "--help"]])
+def test_commands_work_under_python_OO(argv: list[str]) -> None:
+    p = _sub("-OO", "-m", "opcontracts", *argv)
+    assert p.returncode == 0, p.stderr
+    assert "Traceback" not in p.stderr and p.stdout.strip()
+
+
+def test_no_module_of_the_package_uses_a_docstring_as_text() -> None:
+    # -OO drops docstrings: `__doc__` is None there, so `__doc__.split(...)` crashes
+    import re
+
+    use = re.compile(r"__doc__\s*(\.|\[|\+|%)")
+    for path in (ROOT / "opcontracts").rglob("*.py"):
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            assert not use.search(line), f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+
+
+def test_selftest_help_lists_every_check(capsys: Any) -> None:
+    from opcontracts._tools import selftest
+
+    rc, out, _ = cli(capsys, "selftest", "--help")
+    assert rc == 0
+    names = [c.__name__.removeprefix("check_").replace("_", "-") for c in selftest.CHECKS]
+    lines = out.splitlines()
+    for name in names:
+        assert any(line.startswith(name + " ") for line in lines), (name, out)
+    assert "Exit status" in out
