@@ -186,3 +186,40 @@ def test_selftest_help_lists_every_check(capsys: Any) -> None:
     for name in names:
         assert any(line.startswith(name + " ") for line in lines), (name, out)
     assert "Exit status" in out
+
+
+# --------------------------------------------------------------------------- help, near matches
+def test_env_help_has_a_description(capsys: Any) -> None:
+    rc, out, _ = cli(capsys, "env", "--help")
+    assert rc == 0
+    assert "versions that decide which contracts apply" in out and "Exit status 2" in out
+
+
+def test_list_offers_near_matches_for_a_typo(capsys: Any) -> None:
+    rc, out, err = cli(capsys, "list", "unpremute")
+    assert rc == 1 and out == ""
+    assert "no op matches 'unpremute'; near matches: npu_moe_token_unpermute" in err
+    rc, out, err = cli(capsys, "list", "--json", "-", "unpremute")
+    assert rc == 1 and json.loads(out)["ops"] == []
+    assert "near matches: npu_moe_token_unpermute" in err
+
+
+def test_probe_and_enforce_and_list_share_one_near_match_helper(capsys: Any) -> None:
+    from opcontracts._engine.registry import UnknownOpError, near_names
+
+    assert near_names("unpremute", ["npu_moe_token_unpermute", "npu_rms_norm"]) == [
+        "npu_moe_token_unpermute"]
+    assert near_names("rmsnrom", ["npu_moe_token_unpermute", "npu_rms_norm"]) == ["npu_rms_norm"]
+    assert near_names("xyzzy", ["npu_moe_token_unpermute"]) == []
+    assert "npu_moe_token_unpermute" in UnknownOpError("unknown op", op="unpremute").near
+    rc, _, err = cli(capsys, "probe", "unpremute")
+    assert rc == 2 and "near matches: npu_moe_token_unpermute" in err
+
+
+@pytest.mark.parametrize("setting", [{"OPCONTRACTS_MODE": "strcit"},
+                                     {"OPCONTRACTS_TARGETS": "bogus"}])
+def test_demo_checks_its_settings_before_printing_anything(setting: dict[str, str]) -> None:
+    p = _sub("-m", "opcontracts", "demo", **setting)
+    assert p.returncode == 2 and p.stdout == ""
+    assert p.stderr.startswith("opcontracts demo: " + next(iter(setting))), p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
