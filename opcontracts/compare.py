@@ -607,7 +607,7 @@ class ShadowCompare(Observer):
                             module_type, backward_of, ref_dtype, self._seq)
             first = self._found.add(ev)
         if first:
-            react(self.on_divergence, ev.message(), lambda: DivergenceError(ev), stacklevel=7)
+            react(self.on_divergence, ev.message(), lambda: DivergenceError(ev))
 
 
 # --------------------------------------------------------------------------- across ranks

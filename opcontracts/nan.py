@@ -491,7 +491,7 @@ class NanSentinel(Observer):
                 return
             first = self._found.add(ev)
         if first:
-            react(self.on_nan, ev.message(), lambda: NonFiniteError(ev), stacklevel=6)
+            react(self.on_nan, ev.message(), lambda: NonFiniteError(ev))
 
     # ----------------------------------------------------------------- the observed call
     def _checks(self, st: _State, *groups: tuple[int, Iterable[tuple[Any, Any]]]) -> None:

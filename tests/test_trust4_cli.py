@@ -223,3 +223,69 @@ def test_demo_checks_its_settings_before_printing_anything(setting: dict[str, st
     assert p.returncode == 2 and p.stdout == ""
     assert p.stderr.startswith("opcontracts demo: " + next(iter(setting))), p.stderr
     assert len(p.stderr.strip().splitlines()) == 1
+
+
+# --------------------------------------------------------------------------- warnings' lines
+def test_probe_does_not_warn_about_its_own_trial_calls(capsys: Any) -> None:
+    from opcontracts import ContractConditionalWarning
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        rc, out, err = cli(capsys, "probe", "npu_moe_token_unpermute")
+    assert rc in (0, 1) and "npu_moe_token_unpermute" in out
+    assert not [w for w in seen if issubclass(w.category, ContractConditionalWarning)]
+    assert "Warning" not in err
+
+
+def _line(fn: Any, marker: str) -> int:
+    import inspect
+
+    lines, first = inspect.getsourcelines(fn)
+    return first + next(i for i, text in enumerate(lines) if marker in text)
+
+
+def _sentinel_warnings_at_the_users_lines(mod: types.ModuleType) -> list[tuple[str, int]]:
+    w = torch.tensor([2.0, 3.0], requires_grad=True)
+    opt = torch.optim.SGD([w], lr=0.1)
+    out = []
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with NanSentinel(always_on=True):  # read and warned at optimizer.step()
+            mod.nan_grad(torch.ones(2, requires_grad=True), w).sum().backward()
+            opt.step()  # STEP
+        with NanSentinel(on_nan="warn"):  # read and warned in the backward hook
+            mod.nan_grad(torch.ones(2, requires_grad=True), w).sum().backward()  # BACKWARD
+    out = [(os.path.basename(x.filename), x.lineno) for x in seen
+           if issubclass(x.category, RuntimeWarning)]
+    return out
+
+
+def test_the_sentinels_warnings_point_at_the_users_line(mulops: types.ModuleType) -> None:
+    here = os.path.basename(__file__)
+    fn = _sentinel_warnings_at_the_users_lines
+    assert _sentinel_warnings_at_the_users_lines(mulops) == [
+        (here, _line(fn, "# STEP")), (here, _line(fn, "# BACKWARD"))]
+
+
+def test_the_recorders_warning_points_at_the_users_call(mulops: types.ModuleType) -> None:
+    from opcontracts.record import Recorder
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with Recorder():
+            mulops.fused(torch.ones(2, dtype=torch.float64), torch.ones(2))  # RECORDED
+    rec = [x for x in seen if "opcontracts.record" in str(x.message)]
+    assert rec and (os.path.basename(rec[0].filename), rec[0].lineno) == (
+        os.path.basename(__file__),
+        _line(test_the_recorders_warning_points_at_the_users_call, "# RECORDED"))
+
+
+def test_a_warning_with_no_user_frame_is_not_shown_at_an_opcontracts_line(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from opcontracts._engine import callsite
+
+    monkeypatch.setattr(callsite, "_ours", lambda filename: True)  # every frame is ours
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        callsite.warn_at_caller("x", RuntimeWarning)
+    assert [(w.filename, w.lineno) for w in seen] == [("<opcontracts>", 0)]
