@@ -289,3 +289,50 @@ def test_a_warning_with_no_user_frame_is_not_shown_at_an_opcontracts_line(
         warnings.simplefilter("always")
         callsite.warn_at_caller("x", RuntimeWarning)
     assert [(w.filename, w.lineno) for w in seen] == [("<opcontracts>", 0)]
+
+
+# --------------------------------------------------------------------------- report merge
+def _report_file(path: Path, rank: int, *, violation: bool = False, nan_first: bool = False,
+                 diverged: bool = False) -> str:
+    from opcontracts._observers.sections import NanEvent
+
+    rec = {"op": "npu_moe_token_unpermute", "arg": "probs", "rule": "dtype",
+           "call_site": "train.py:3 in step", "mode": "warn", "count": 1, "fixed": 0,
+           "message": "npu_moe_token_unpermute: argument 'probs' ...", "ranks": [rank]}
+    event = NanEvent("op_a", "backward", "output", "output[0]", "bfloat16", (2, 2), 1, 0,
+                     "train.py:11 in forward", "layers.1", "Block").to_dict()
+    first = {"op": "op_b", "direction": "forward", "kind": "output", "argument": "output",
+             "reason": "cosine 0.5", "call_site": "train.py:12 in forward"}
+    data: dict[str, Any] = {
+        "rank": rank, "total": int(violation), "dropped": 0, "records": [rec] if violation else [],
+        "checked": {"targets": 3, "guarded_ops": 3, "calls": {"op_a": 2}, "off": {},
+                    "no_contract": {}, "ranks": [rank]},
+        "nan_sentinel": {"first": event if nan_first else None, "events": [event] * nan_first,
+                         "received": None, "calls": 2, "dropped": 0},
+        "shadow_compare": {"checked": 2, "grads_checked": 0, "skipped": 0,
+                           "first": first if diverged else None},
+    }
+    path.write_text(json.dumps(data), encoding="utf-8")
+    return str(path)
+
+
+def test_report_merge_imports_no_torch(tmp_path: Path) -> None:
+    _report_file(tmp_path / "report.rank0.json", 0, violation=True, nan_first=True)
+    _report_file(tmp_path / "report.rank1.json", 1, diverged=True)
+    code = ("import sys; from opcontracts.cli import main; rc = main(['report', 'merge', "
+            f"{str(tmp_path)!r}, '--json', {str(tmp_path / 'm.json')!r}]); "
+            "print('TORCH' if 'torch' in sys.modules else 'NO TORCH', rc)")
+    p = _sub("-c", code)
+    assert p.stdout.strip().splitlines()[-1] == "NO TORCH 1", p.stdout + p.stderr
+    assert "first non-finite value: backward, in op_a" in p.stdout  # the sentinel's wording
+    assert "shadow compare on rank(s) 0,1" in p.stdout and "checked 4 of 4" in p.stdout
+
+
+@pytest.mark.parametrize(("found", "status"), [
+    ({}, 0), ({"violation": True}, 1), ({"nan_first": True}, 1), ({"diverged": True}, 1)])
+def test_report_merge_exits_1_when_the_files_found_problems(
+        tmp_path: Path, capsys: Any, found: dict[str, bool], status: int) -> None:
+    files = [_report_file(tmp_path / "report.rank0.json", 0),
+             _report_file(tmp_path / "report.rank1.json", 1, **found)]
+    rc, out, _ = cli(capsys, "report", "merge", *files)
+    assert rc == status and "merged 2 report file(s)" in out

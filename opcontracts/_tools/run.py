@@ -629,7 +629,7 @@ def _summary_lines(rep: Any, res: _Results, quiet: bool) -> list[str]:
 def _merged_lines(parts: list[dict[str, Any]], world: int, quiet: bool) -> list[str]:
     """Rank 0's summary for the whole job, from every rank's part."""
     from .._engine.records import Report, merge_reports
-    from .._observers.stats import RunStats, merge_stats
+    from .._observers.sections import RunStats, merge_stats
 
     ranks = sorted(int(p["rank"]) for p in parts)
     reports = []
@@ -670,7 +670,7 @@ def _merged_lines(parts: list[dict[str, Any]], world: int, quiet: bool) -> list[
     cmp_parts = [(p["rank"], p["shadow_compare"]) for p in parts
                  if p.get("shadow_compare") is not None]
     if cmp_parts:
-        from ..compare import merge_sections, merged_lines
+        from .._observers.sections import merge_sections, merged_lines
 
         lines += merged_lines(merge_sections(cmp_parts))
     return lines
