@@ -336,3 +336,141 @@ def test_report_merge_exits_1_when_the_files_found_problems(
              _report_file(tmp_path / "report.rank1.json", 1, **found)]
     rc, out, _ = cli(capsys, "report", "merge", *files)
     assert rc == status and "merged 2 report file(s)" in out
+
+
+# --------------------------------------------------------------------------- opcontracts run
+def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return _sub("-m", "opcontracts", "run", *args, cwd=cwd,
+                PYTHONWARNINGS="ignore::opcontracts.ContractWarning")
+
+
+_VIOLATION = """\
+import torch
+from opcontracts import emulation
+emulation.install()
+import torch_npu
+print("the script's own line")
+x = torch.randn(4, 8, dtype=torch.bfloat16)
+idx = torch.arange(4, dtype=torch.int32)
+torch_npu.npu_moe_token_unpermute(x, idx, probs=torch.ones(4, 1, dtype=torch.float64))
+"""
+
+
+def test_run_a_folder_with_a_main_module_as_python_does(tmp_path: Path) -> None:
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "helper.py").write_text("VALUE = 42\n")
+    (app / "__main__.py").write_text(
+        "import os, sys, helper\n"
+        "print('main', __name__, helper.VALUE, sys.argv[1:], os.path.abspath(sys.path[0]))\n")
+    p = _run("app", "--flag", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert f"main __main__ 42 ['--flag'] {app}" in p.stdout
+    (tmp_path / "empty").mkdir()
+    p = _run("empty", cwd=tmp_path)
+    assert p.returncode == 2
+    assert "can't find '__main__' module in 'empty'" in p.stderr
+    assert "No such file or directory" not in p.stderr
+
+
+def test_outputs_stay_where_the_user_meant_when_the_script_changes_folder(
+        tmp_path: Path) -> None:
+    (tmp_path / "outputs").mkdir()
+    (tmp_path / "job.py").write_text("import os\nos.chdir('outputs')\n")
+    p = _run("--report", "r.json", "--record", "g.toml", "job.py", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "r.json").is_file() and (tmp_path / "g.toml").is_file()
+    assert not (tmp_path / "outputs" / "r.json").exists()
+    assert f"report written to {tmp_path / 'r.json'}" in p.stderr
+    assert f"recorded to {tmp_path / 'g.toml'}" in p.stderr
+
+
+def test_an_existing_report_file_that_cannot_be_opened_stops_the_run_before_the_script(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    from opcontracts import _jsonout
+
+    report = tmp_path / "r.json"
+    report.write_text("kept")
+    marker = tmp_path / "ran"
+    script = tmp_path / "s.py"
+    script.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    real_open = open
+
+    def read_only(path: Any, mode: str = "r", *a: Any, **k: Any) -> Any:
+        if str(path) == str(report) and mode != "r":  # what a 0444 file is to a user
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, mode, *a, **k)
+
+    monkeypatch.setattr(_jsonout, "open", read_only, raising=False)
+    rc, _, err = cli(capsys, "run", "--report", str(report), str(script))
+    assert rc == 2 and not marker.exists()
+    assert f"--report {report}: cannot write: Permission denied" in err
+    assert report.read_text() == "kept"
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0,
+                    reason="root writes a read-only file")
+def test_a_read_only_report_file_stops_the_run_before_the_script(tmp_path: Path) -> None:
+    report = tmp_path / "r.json"
+    report.write_text("kept")
+    report.chmod(0o444)
+    (tmp_path / "s.py").write_text("open('ran', 'w').close()\n")
+    p = _run("--report", "r.json", "s.py", cwd=tmp_path)
+    assert p.returncode == 2 and not (tmp_path / "ran").exists()
+    assert "cannot write" in p.stderr and report.read_text() == "kept"
+
+
+def test_the_writability_check_leaves_nothing_behind(tmp_path: Path) -> None:
+    from opcontracts._jsonout import OutputError, check_writable
+
+    check_writable(str(tmp_path / "new" / "deeper" / "r.json"), "--report")
+    existing = tmp_path / "old.json"
+    existing.write_text("kept")
+    check_writable(str(existing), "--report")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.json"]
+    assert existing.read_text() == "kept"
+    with pytest.raises(OutputError, match="it is a folder"):
+        check_writable(str(tmp_path), "--report")
+    with pytest.raises(OutputError, match="not a folder"):
+        check_writable(str(existing / "r.json"), "--report")
+
+
+def test_a_report_lost_after_the_script_is_exit_status_2(tmp_path: Path) -> None:
+    (tmp_path / "job.py").write_text("import os, sys\nos.mkdir(sys.argv[1])\n")
+    p = _run("--report", "r.json", "job.py", "r.json", cwd=tmp_path)  # a folder took its place
+    assert p.returncode == 2
+    assert f"--report {tmp_path / 'r.json'}: cannot write" in p.stderr
+    (tmp_path / "fails.py").write_text("import os, sys\nos.mkdir(sys.argv[1])\nsys.exit(3)\n")
+    p = _run("--report", "q.json", "fails.py", "q.json", cwd=tmp_path)
+    assert p.returncode == 3  # the script's own failure is what it exits with
+
+
+def test_quiet_says_nothing_of_the_files_and_points_at_the_report(tmp_path: Path) -> None:
+    (tmp_path / "clean.py").write_text("pass\n")
+    p = _run("-q", "--report", "r.json", "--record", "g.toml", "clean.py", cwd=tmp_path)
+    assert p.returncode == 0 and p.stderr.strip() == "", p.stderr
+    assert (tmp_path / "r.json").is_file() and (tmp_path / "g.toml").is_file()
+    (tmp_path / "bad.py").write_text(_VIOLATION)
+    p = _run("-q", "--report", "r.json", "bad.py", cwd=tmp_path)
+    lines = [x for x in p.stderr.splitlines() if x.startswith("opcontracts")]
+    assert len(lines) == 1, p.stderr
+    assert "1 contract violation(s)" in lines[0]
+    assert f"details in {tmp_path / 'r.json'}" in lines[0] and "--report FILE" not in lines[0]
+    assert "written to" not in p.stderr
+    p = _run("-q", "bad.py", cwd=tmp_path)
+    assert "run without --quiet, or --report FILE, for the details" in p.stderr
+
+
+def test_run_json_on_stdout_is_the_json_alone(tmp_path: Path) -> None:
+    (tmp_path / "bad.py").write_text(
+        _VIOLATION + "import os, sys\nos.system('echo from a subprocess')\n"
+        "sys.stdout.write('no newline at the end')\n")
+    p = _run("--json", "bad.py", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    data = json.loads(p.stdout)  # nothing else on stdout
+    assert data["total"] == 1 and data["records"][0]["arg"] == "probs"
+    assert "the script's own line" in p.stderr and "from a subprocess" in p.stderr
+    assert "no newline at the end" in p.stderr
+    p = _run("--json", "out.json", "bad.py", cwd=tmp_path)  # a file: stdout is the script's
+    assert "the script's own line" in p.stdout
+    assert json.loads((tmp_path / "out.json").read_text())["total"] == 1
