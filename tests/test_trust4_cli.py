@@ -474,3 +474,19 @@ def test_run_json_on_stdout_is_the_json_alone(tmp_path: Path) -> None:
     p = _run("--json", "out.json", "bad.py", cwd=tmp_path)  # a file: stdout is the script's
     assert "the script's own line" in p.stdout
     assert json.loads((tmp_path / "out.json").read_text())["total"] == 1
+
+
+# --------------------------------------------------------------------------- missing folders
+@pytest.mark.parametrize("argv", [["env", "--json", "{out}"], ["list", "--json", "{out}"],
+                                  ["run", "--report", "{out}", "{script}"]])
+def test_an_outputs_missing_folder_is_created_and_one_that_cannot_be_is_exit_2(
+        tmp_path: Path, capsys: Any, argv: list[str]) -> None:
+    script = tmp_path / "s.py"
+    script.write_text("pass\n")
+    out = tmp_path / "runs" / "today" / "out.json"
+    rc, _, err = cli(capsys, *(a.format(out=out, script=script) for a in argv))
+    assert rc == 0, err
+    assert json.loads(out.read_text())
+    blocked = tmp_path / "s.py" / "out.json"  # its folder would have to be a file
+    rc, _, err = cli(capsys, *(a.format(out=blocked, script=script) for a in argv))
+    assert rc == 2 and f"{blocked}: cannot write" in err and len(err.strip().splitlines()) == 1
