@@ -100,7 +100,11 @@ def settle(ns: Any, positional: str) -> None:
 
 def check_writable(path: str, option: str) -> None:
     """``OutputError`` now, before any work, when ``path`` cannot be written later: a folder
-    where a file should be, a parent that is a file, a parent folder that cannot be written."""
+    where a file should be, a parent that is a file, an existing file that cannot be opened for
+    writing, a folder in which no file can be created.  Tried for real (the file opened
+    without truncating it, or a temporary file made and removed in the nearest existing
+    folder: permissions, a read-only file system), so nothing is left behind; a missing folder
+    is not made here (``write_text`` makes it)."""
     if path == STDOUT:
         return
     why = _unwritable(path)
@@ -113,6 +117,13 @@ def _unwritable(path: str) -> str | None:
         return "the path holds a NUL character"
     if os.path.isdir(path):
         return "it is a folder"
+    if os.path.lexists(path):
+        try:
+            with open(path, "r+b"):  # opened for writing, not truncated, nothing written
+                pass
+        except OSError as exc:
+            return _why(exc)
+        return None
     parent = os.path.dirname(os.path.abspath(path))
     while not os.path.exists(parent):  # created when written: the first existing one decides
         up = os.path.dirname(parent)
@@ -121,9 +132,22 @@ def _unwritable(path: str) -> str | None:
         parent = up
     if not os.path.isdir(parent):
         return f"{parent} is not a folder"
-    if not os.access(parent, os.W_OK):
-        return f"{parent} is not writable"
+    import tempfile
+
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".opcontracts-", suffix=".tmp", dir=parent)
+    except OSError as exc:
+        return f"{parent}: {_why(exc)}"
+    os.close(fd)
+    try:
+        os.remove(probe)
+    except OSError:  # pragma: no cover - made a moment ago
+        pass
     return None
+
+
+def _why(exc: OSError) -> str:
+    return exc.strerror if exc.strerror else str(exc)
 
 
 def replace_bytes(path: str | os.PathLike[str], data: bytes) -> None:
@@ -171,7 +195,7 @@ def write_text(path: str, text: str, option: str) -> str:
         raise OutputError(f"{option} {path}: cannot write: the text holds a character UTF-8 "
                           f"cannot encode ({exc.object[exc.start:exc.end]!r})") from None
     except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
-        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        why = _why(exc) if isinstance(exc, OSError) else str(exc)
         raise OutputError(f"{option} {path}: cannot write: {why}") from None
     return path
 
