@@ -246,3 +246,31 @@ def test_several_devices_as_asked() -> None:
         """, env={_device.DEVICES_ENV: "2"})
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "ok"
+
+
+def test_run_emulate_devices_flag(tmp_path: Path) -> None:
+    from opcontracts._tools import run
+
+    assert run.parse(["--emulate", "--devices", "3", "s.py"]).devices == 3
+    assert run.parse(["--emulate", "--devices=2", "s.py"]).devices == 2
+    with pytest.raises(run.UsageError, match="--devices: devices='0'"):
+        run.parse(["--emulate", "--devices", "0", "s.py"])
+    script = tmp_path / "count.py"
+    script.write_text("import os, torch, torch_npu\n"
+                      "print(torch.npu.device_count(), os.environ['OPCONTRACTS_EMULATE_DEVICES'])\n"
+                      "print(torch.ones(1).to('npu:2').device)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop(_device.DEVICES_ENV, None)
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "opcontracts", "run", "-q", *args],
+                              capture_output=True, text=True, env=env, timeout=300)
+
+    done = cli("--emulate", "--devices", "3", str(script))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[:2] == ["3 3", "npu:2"]
+    alone = cli("--devices", "2", str(script))
+    assert alone.returncode == 2 and "--devices needs --emulate" in alone.stderr
+    env[_device.DEVICES_ENV] = "many"
+    bad = cli("--emulate", str(script))
+    assert bad.returncode == 2 and "OPCONTRACTS_EMULATE_DEVICES='many'" in bad.stderr
