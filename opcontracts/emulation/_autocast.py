@@ -28,7 +28,7 @@ from torch.library import Library
 __all__ = ["amp_module", "register"]
 
 DEVICE_TYPE = "npu"
-_EXCLUDE = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastPrivateUse1)
+_EXCLUDE = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastPrivateUse1)  # type: ignore[attr-defined]
 
 _LOWER = ("_convolution.deprecated", "_convolution", "conv1d", "conv2d", "conv3d", "conv_tbc",
           "conv_transpose1d", "conv_transpose2d.input", "conv_transpose3d.input", "convolution",

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.autograd import variable
+from torch.autograd.variable import Variable
 
 __all__ = ["install", "take_pending", "uninstall"]
 
@@ -85,13 +85,13 @@ def install(single_thread: Callable[[], bool]) -> None:
         return
     engine = _Engine()
     engine.single_thread = single_thread  # type: ignore[method-assign]
-    _saved.append(variable.Variable._execution_engine)
-    variable.Variable._execution_engine = engine  # type: ignore[attr-defined]
+    _saved.append(Variable._execution_engine)
+    Variable._execution_engine = engine  # type: ignore[attr-defined]
 
 
 def uninstall() -> None:
     if not _saved:
         return
     original = _saved.pop()
-    if isinstance(variable.Variable._execution_engine, _Engine):
-        variable.Variable._execution_engine = original  # type: ignore[attr-defined]
+    if isinstance(Variable._execution_engine, _Engine):
+        Variable._execution_engine = original  # type: ignore[attr-defined]
