@@ -202,6 +202,13 @@ def test_an_unrelated_kernel_error_is_not_retried(npu: Any) -> None:
         torch.ones(2, device="npu") + torch.ones(3, device="npu")
 
 
+def test_a_data_loader_pins_memory_for_the_device(npu: Any) -> None:
+    data = torch.utils.data.TensorDataset(torch.arange(6.0).reshape(3, 2))
+    loader = torch.utils.data.DataLoader(data, batch_size=3, pin_memory=True)
+    (batch,) = next(iter(loader))
+    assert batch.device.type == "cpu" and batch.tolist() == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+
+
 # -- several devices -----------------------------------------------------------------------------
 
 def test_one_device_refuses_other_indices_alike(npu: Any) -> None:

@@ -266,6 +266,10 @@ def _shallow_copy_compatible(self: torch.Tensor, other: torch.Tensor) -> bool:
 _DENSE = ("cpu", DEVICE_TYPE)
 
 
+def _pin_memory(self: torch.Tensor, device: Any = None) -> torch.Tensor:
+    return torch.empty_like(self).copy_(self)
+
+
 def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
     _unwrap(dst).copy_(_unwrap(src))
     return dst
@@ -281,6 +285,9 @@ def _register_kernels() -> list[Library]:
     # the parameters it updates
     for key in ("AutogradPrivateUse1", "PrivateUse1"):
         aten.impl("_has_compatible_shallow_copy_type", _shallow_copy_compatible, key)
+    # pin_memory() (a DataLoader's pin_memory=True, transformers' Trainer's default) asks the
+    # accelerator's host allocator, which a Python backend cannot give: host memory is a copy
+    aten.impl("_pin_memory", _pin_memory, "CPU")
     every = Library("_", "IMPL")
     every.fallback(_fallback, dispatch_key="PrivateUse1")
     return [aten, every]
