@@ -30,8 +30,10 @@ hooks and guard, and ``torch.npu`` (``torch.compile`` asks a renamed backend for
 ("Could not run 'aten::empty.memory_format' with arguments from the 'npu' backend"); tensors
 made before keep their memory but no op runs on them.  The engine's queues for the device are
 sized at the process's first backward: :func:`reserve` (the once-per-process part) must come
-before it.  Not emulated: several devices (``device_count() == 1``), streams and events, pinned
-memory, ``torch.save`` of npu tensors, resizing an npu storage in place
+before it.  Several devices: ``OPCONTRACTS_EMULATE_DEVICES`` / ``install(devices=N)`` (tensors on
+``npu:1`` and up are made through DLPack, ``_new_on``); an index beyond the count is refused
+as torch_npu refuses it.  Not emulated: streams and events, pinned memory (``pin_memory()``
+gives a host copy), ``torch.save`` of npu tensors, resizing an npu storage in place
 (``untyped_storage().resize_``), npu generators.
 """
 
