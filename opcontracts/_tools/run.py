@@ -2,7 +2,7 @@
 
     opcontracts run [--mode MODE] [--nan-check] [--compare [RATE]] [--record FILE
                     [--record-target mod.fn ...]] [--report FILE] [--quiet]
-                    [--emulate[=PROFILE]] script.py [args ...]
+                    [--emulate[=PROFILE] [--devices N]] script.py [args ...]
     opcontracts run [options] -m module [args ...]
 
 Why: guarding a job should not need an edit of the job.  The script runs as ``python`` would
@@ -50,8 +50,8 @@ __all__ = ["RunOptions", "UsageError", "main", "parse", "run"]
 
 USAGE = ("usage: opcontracts run [-h] [--mode MODE] [--contracts PATH] [--nan-check] "
          "[--compare [RATE]] [--record FILE [--record-target mod.fn] [--record-violations]] "
-         "[--report FILE] [--json [FILE]] [-q] [--emulate[=PROFILE]] (script.py | -m module) "
-         "[args ...]")
+         "[--report FILE] [--json [FILE]] [-q] [--emulate[=PROFILE] [--devices N]] "
+         "(script.py | -m module) [args ...]")
 HELP = f"""{USAGE}
 
 Run a Python script (or a module with -m) with opcontracts.patch applied, as python would run it,
@@ -93,6 +93,8 @@ options:
                    run on the CPU emulation of torch_npu 2.13 with an emulated npu device
                    (opcontracts.emulation, device=True; PROFILE: narrow (default), incident,
                    wide), so an unmodified torch_npu script runs on a machine without an NPU
+  --devices N      with --emulate: emulate N npu devices (npu:0 ... npu:N-1; default 1, or
+                   OPCONTRACTS_EMULATE_DEVICES, which the processes the script starts inherit)
   -m module        run a library module as a script (like python -m)
 
 exit status: the script's own (SystemExit code; 1 on an uncaught exception; 130 on Ctrl-C);
@@ -103,6 +105,7 @@ changes folder).
 """
 
 _MODES = ("strict", "warn", "fix", "off")
+DEVICES_ENV = "OPCONTRACTS_EMULATE_DEVICES"  # emulation._device.DEVICES_ENV (imported lazily)
 
 
 class UsageError(Exception):
@@ -125,6 +128,7 @@ class RunOptions:
     json: str | None = None  # "-": stdout
     contracts: list[str] = field(default_factory=list)
     emulate: str | None = None  # the emulation's profile, None: no emulation
+    devices: int | None = None  # --devices N: npu devices to emulate
     help: bool = False
 
 
@@ -185,6 +189,8 @@ def parse(argv: Sequence[str]) -> RunOptions:
         elif w == "--emulate" or w.startswith("--emulate="):
             opts.emulate = w.split("=", 1)[1] if "=" in w else "narrow"
             _check_profile(opts.emulate)
+        elif w == "--devices" or w.startswith("--devices="):
+            opts.devices = _check_devices(value("--devices", w))
         elif w == "--report" or w.startswith("--report="):
             opts.report = value("--report", w)
         elif w == "--json" or w.startswith("--json="):
@@ -223,6 +229,16 @@ def _check_profile(name: str) -> None:
     if name not in PROFILES:
         raise UsageError(f"--emulate: unknown profile {name!r}; expected one of "
                          f"{', '.join(PROFILES)}")
+
+
+def _check_devices(word: str) -> int:
+    from ..emulation import _device
+    from ..errors import SettingError
+
+    try:
+        return _device.devices_setting(word)
+    except SettingError as exc:
+        raise UsageError(f"--devices: {exc}") from None
 
 
 def _is_rate(word: str) -> bool:
@@ -378,7 +394,8 @@ def run(opts: RunOptions) -> int:
         except OpContractsError as exc:
             print(f"opcontracts run: --contracts: {exc}", file=sys.stderr)
             return 2
-    emulated = _emulate(opts.emulate)
+    saved_devices = os.environ.get(DEVICES_ENV)
+    emulated = _emulate(opts.emulate, opts.devices)
     if emulated is None:
         return 2
     patch_mod = sys.modules.get("opcontracts.patch")
@@ -430,6 +447,8 @@ def run(opts: RunOptions) -> int:
             from .. import emulation
 
             emulation.uninstall()
+        if opts.devices is not None:
+            _restore_env(DEVICES_ENV, saved_devices)
     if not written and status == 0:  # the script did its part; an asked-for file is lost
         return 2
     return status
@@ -480,23 +499,37 @@ def _unrunnable(script: str) -> str | None:
     return f"can't open file {os.path.abspath(script)!r}: [Errno 2] No such file or directory"
 
 
-def _emulate(profile: str | None) -> bool | None:
-    """Install the emulation with its npu device for ``--emulate``: True when this run
+def _restore_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
+def _emulate(profile: str | None, devices: int | None = None) -> bool | None:
+    """Install the emulation with its npu device for ``--emulate`` (``devices`` of them, which
+    the processes the script starts inherit through the environment): True when this run
     installed it, False when there is nothing to do, None (and a line on stderr) when it cannot
-    be installed (a real torch_npu is present)."""
+    be installed (a real torch_npu is present, ``--devices`` without ``--emulate``, a bad
+    ``OPCONTRACTS_EMULATE_DEVICES``)."""
     if profile is None:
+        if devices is not None:
+            print("opcontracts run: --devices needs --emulate (a machine's real NPUs are the "
+                  "devices it has)", file=sys.stderr)
+            return None
         return False
     from .. import emulation
+    from ..errors import SettingError
 
-    if emulation.installed():
-        emulation.install(profile, device=True)
-        return False
+    if devices is not None:
+        os.environ[DEVICES_ENV] = str(devices)
+    was_installed = emulation.installed()
     try:
         emulation.install(profile, device=True)
-    except RuntimeError as exc:
+    except (RuntimeError, SettingError) as exc:
         print(f"opcontracts run: --emulate: {exc}", file=sys.stderr)
         return None
-    return True
+    return not was_installed
 
 
 # --------------------------------------------------------------------------- observers
