@@ -180,3 +180,98 @@ def test_rotary_mul_quarter_mode_raises_as_the_glue(npu: types.ModuleType) -> No
                                            "half or interleave, but got quarter"):
         npu.npu_rotary_mul_backward(x, x, r, r, "quarter")
     assert npu.npu_rotary_mul(x, r, r, "interleave").shape == x.shape
+
+
+# --------------------------------------------------------------------------- ops torch_npu's tests call
+def test_trans_quant_param_packs_fp19_scale_and_offset(npu: types.ModuleType) -> None:
+    scale = torch.tensor([2.7, 1.3])
+    out = npu.npu_trans_quant_param(scale)
+    bits = scale.view(torch.int32).to(torch.int64) & 0xFFFFE000
+    assert out.dtype == torch.int64 and torch.equal(out, bits | (1 << 46))
+    # offset: rounded, clamped to [-256, 255], its 9 bits at 37..45; a 1-D scale broadcasts
+    packed = npu.npu_trans_quant_param(torch.tensor([2.7]), torch.tensor([3.4, -300.0, 7.0]))
+    assert packed.shape == (3,)
+    assert [int((v >> 37) & 0x1FF) for v in packed] == [3, (-256) & 0x1FF, 7]
+    with pytest.raises(RuntimeError, match="round_mode must be 0 or 1"):
+        npu.npu_trans_quant_param(scale, round_mode=2)
+
+
+def test_quantize_per_channel_and_ascend_quant(npu: types.ModuleType) -> None:
+    x = torch.randn(3, 5, generator=_g(20))
+    scales = torch.rand(5, generator=_g(21)) + 0.1
+    zero = torch.randint(-2, 3, (5,), generator=_g(22), dtype=torch.int32)
+    for qtype, out in [(torch.qint8, torch.int8), (torch.quint8, torch.uint8),
+                       (torch.qint32, torch.int32)]:
+        got = npu.npu_quantize(x, scales, zero, qtype, 1)
+        want = torch.round(x / scales) + zero
+        info = torch.iinfo(out)
+        assert got.dtype == out
+        assert torch.equal(got, want.clamp(info.min, info.max).to(out))
+    # div_mode False: round(x * scale + offset), int8, the scale on the last axis
+    half = x.to(torch.float16)
+    s16, o16 = scales.to(torch.float16), torch.ones(5, dtype=torch.float16)
+    got = npu.npu_quantize(half, s16, o16, torch.qint8, -1, div_mode=False)
+    want = torch.round(half.float() * s16.float() + 1).clamp(-128, 127).to(torch.int8)
+    assert torch.equal(got, want)
+
+
+def test_convert_weight_to_int4pack_low_nibble_first(npu: types.ModuleType) -> None:
+    w = torch.randint(-8, 8, (3, 16), generator=_g(23), dtype=torch.int32)
+    packed = npu.npu_convert_weight_to_int4pack(w)
+    assert packed.shape == (3, 2) and packed.dtype == torch.int32
+    raw = packed.to(torch.int64) & 0xFFFFFFFF
+    nibbles = torch.stack([(raw >> (4 * i)) & 0xF for i in range(8)], -1).reshape(3, 16)
+    assert torch.equal(torch.where(nibbles >= 8, nibbles - 16, nibbles), w.to(torch.int64))
+
+
+def test_format_cast_keeps_values_and_gradient(npu: types.ModuleType) -> None:
+    x = torch.randn(4, 16, generator=_g(24), requires_grad=True)
+    y = npu.npu_format_cast(x, 29)
+    assert torch.equal(y, x) and y.requires_grad
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
+
+
+def test_fusion_attention_v3_is_v1_with_tensor_lengths(npu: types.ModuleType) -> None:
+    g = _g(25)
+    q, k, v = (torch.randn(7, 2, 8, generator=g).to(torch.float16) for _ in range(3))
+    lengths = {"actual_seq_qlen": [3, 7], "actual_seq_kvlen": [3, 7]}
+    v1 = npu.npu_fusion_attention(q, k, v, 2, "TND", scale=0.3, **lengths)
+    v3 = npu.npu_fusion_attention_v3(
+        q, k, v, 2, "TND", scale=0.3,
+        **{n: torch.tensor(s, dtype=torch.int64) for n, s in lengths.items()})
+    assert len(v3) == 6 and v3[4].dtype == v3[5].dtype == torch.int64
+    for a, b in zip(v1[:3], v3[:3], strict=True):
+        torch.testing.assert_close(a, b)
+    dy = torch.randn(7, 2, 8, generator=g).to(torch.float16)
+    common = {"softmax_max": v3[1], "softmax_sum": v3[2], "attention_in": v3[0],
+              "scale_value": 0.3}
+    g1 = npu.npu_fusion_attention_grad(q, k, v, dy, 2, "TND", **common, **lengths)
+    g3 = npu.npu_fusion_attention_grad_v3(
+        q, k, v, dy, 2, "TND", **common, seed=v3[4], offset=v3[5],
+        **{n: torch.tensor(s, dtype=torch.int64) for n, s in lengths.items()})
+    for a, b in zip(g1[:3], g3[:3], strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_fusion_attention_v3_trains_through_its_grad_kernel(npu: types.ModuleType) -> None:
+    q = torch.randn(1, 2, 4, 8, generator=_g(26), requires_grad=True)
+    out = npu.npu_fusion_attention_v3(q, q, q, 2, "BNSD", scale=0.3)[0]
+    out.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_ring_attention_update_merges_by_softmax_statistics(npu: types.ModuleType) -> None:
+    t, n, d = 5, 2, 4
+    g = _g(27)
+    prev, cur = torch.randn(t, n, d, generator=g), torch.randn(t, n, d, generator=g)
+    stats = [(torch.rand(t, n, 1, generator=g) + 0.3).expand(t, n, 8).contiguous()
+             for _ in range(4)]
+    out, new_max, new_sum = npu.npu_ring_attention_update(
+        prev, stats[0], stats[1], cur, stats[2], stats[3],
+        actual_seq_qlen=torch.tensor([2, t]), input_layout="TND", input_softmax_layout="TND")
+    m = torch.maximum(stats[0], stats[2])
+    a, b = stats[1] * torch.exp(stats[0] - m), stats[3] * torch.exp(stats[2] - m)
+    torch.testing.assert_close(new_max, m)
+    torch.testing.assert_close(new_sum, a + b)
+    torch.testing.assert_close(out, prev * (a / (a + b))[..., :1] + cur * (b / (a + b))[..., :1])
