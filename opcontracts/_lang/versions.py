@@ -434,9 +434,9 @@ def _emulated(name: str) -> tuple[str, str] | None:
     if mod is None or not getattr(mod, "__opcontracts_emulation__", None):
         return None
     stack = getattr(mod, "__opcontracts_stack__", None)
-    value = stack.get(name) if isinstance(stack, dict) else None
-    if not value:
+    if not isinstance(stack, dict) or not stack.get(name):
         return None
+    value = stack[name]
     profile = stack.get("profile")
     what = f" (profile {profile!r})" if profile else ""
     return str(value), f"{_EMULATED_ORIGIN}{what}: the stack its kernels behave as"

@@ -29,10 +29,10 @@ def _quantize_fake(self: torch.Tensor, scales: torch.Tensor, zero_points: torch.
     want = ref._dtype(dtype)
     if want == torch.quint4x2 and not div_mode:
         return self.new_empty((*self.shape[:-1], self.size(-1) // 8), dtype=torch.int32)
-    out = {torch.quint8: torch.uint8, torch.qint8: torch.int8, torch.qint32: torch.int32}.get(
-        want, want)
-    if not isinstance(out, torch.dtype):
+    quantized = {torch.quint8: torch.uint8, torch.qint8: torch.int8, torch.qint32: torch.int32}
+    if want is None:
         raise NotImplementedError(f"npu_quantize: dtype {dtype!r} is not emulated")
+    out = quantized.get(want, want)
     return self.new_empty(self.shape, dtype=out)
 
 
