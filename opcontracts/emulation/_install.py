@@ -145,9 +145,9 @@ def _stack_versions(profile: _profiles.Profile, device: bool | str) -> dict[str,
 def _versions_changed() -> None:
     """The detected versions re-read (the stack the stand-in states may have changed with the
     profile while ``torch_npu`` stayed the same module), the registry's resolutions with them."""
-    from .._lang import versions
-
-    versions.refresh()
+    versions = sys.modules.get("opcontracts._lang.versions")  # not loaded: nothing cached
+    if versions is not None:
+        versions.refresh()
 
 
 def _install_device(device: bool | str) -> None:
