@@ -52,8 +52,10 @@ def test_each_named_profile_states_its_stack() -> None:
 
 def test_detected_versions_are_the_profiles_stack(npu: types.ModuleType) -> None:
     env = versions.current()
-    assert (env.torch_npu, env.cann, env.soc) == ("2.13.0", "8.0.RC3", "Ascend910B3")
+    assert (env.torch_npu, env.cann) == ("2.13.0", "8.0.RC3")
     assert "cann" in env.emulated and "profile 'narrow'" in env.origin("cann")
+    # the SoC is the npu device's: without the device it stays unknown (SoC-scoped rules apply)
+    assert env.soc is None
     emulation.install("wide")  # a profile switch keeps the torch_npu module: re-detected
     assert versions.current().cann == "9.1.0"
     emulation.install({"npu_swiglu": {"self": ["bf16"]}})  # a custom profile states no CANN
@@ -138,3 +140,11 @@ def test_strict_rejects_every_dtype_a_profiles_token_kernels_misread(
             continue
         with opcontracts.mode("strict"), pytest.raises(ContractViolation):
             call()
+
+
+def test_the_device_reports_the_profiles_soc(emulated: Any) -> None:
+    emulated("narrow", device=True)
+    import torch_npu  # noqa: F401  (detection reads the modules already imported)
+
+    env = versions.current()
+    assert (env.cann, env.soc) == ("8.0.RC3", _profiles.STACKS["narrow"].soc)

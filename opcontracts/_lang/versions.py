@@ -24,7 +24,7 @@ torch      ``torch.__version__`` when imported, else package metadata
 soc        ``set_versions`` > ``OPCONTRACTS_SOC`` > ``torch_npu.npu.get_device_name()`` when
            torch_npu is already loaded (it reads the name without the device's lazy init;
            ``get_soc_version()`` runs that init and is never called; detection never imports
-           torch_npu to ask) > the emulation's stack (its SoC, without an emulated device)
+           torch_npu to ask; the emulation reports its SoC through its npu device only)
 ========== ===========================================================================
 
 CANN names its releases ``8.0.RC3``, ``8.0.RC2.alpha003``, ``8.1.RC1``: ``normalize_version``
@@ -426,7 +426,7 @@ _EMULATED_ORIGIN = "opcontracts emulation"
 
 
 def _emulated(name: str) -> tuple[str, str] | None:
-    """(value, origin) of ``name`` (``cann``, ``soc``) as the emulation states it: the stand-in
+    """(value, origin) of ``name`` (``cann``) as the emulation states it: the stand-in
     ``torch_npu``'s ``__opcontracts_stack__``, the stack the emulated kernels behave as.  On the
     emulation the kernels that run are the emulated ones, so their stack is the CANN that counts,
     before any toolkit files on the machine."""
@@ -491,14 +491,10 @@ def _detect() -> Env:
                 put(name, found[0], found[1])
         elif name == "soc":
             soc = detect_soc()
-            stated = _emulated("soc") if soc is None else None
             if soc is not None:
                 put(name, soc[0], soc[1])
                 if soc[2]:
                     emulated.append(name)
-            elif stated is not None:
-                put(name, stated[0], stated[1])
-                emulated.append(name)
     return Env(**values, origins=tuple(origins.items()), emulated=tuple(emulated))
 
 

@@ -297,15 +297,13 @@ OPS: tuple[EmulatedOp, ...] = (
                fake=_fake_of(R.npu_fusion_attention_grad_v2, _grads_v2),
                dtypes=_FA2_GRAD_DTYPES,
                source=f"{_DOCS} (npu_fusion_attention_v2: its backward kernel has no doc)"),
-    # v3: v1's kernel with int64 length tensors, seed / offset tensors (torch_npu 2.14.0 schema)
+    # v3: v1's kernel with int64 length tensors (their values read, as v1's int[] lists: no
+    # dtype of theirs is misread), seed / offset tensors (torch_npu 2.14.0 schema)
     EmulatedOp("npu_fusion_attention_v3", fake=_fake_of(R3.npu_fusion_attention_v3, _fa3),
-               dtypes={**_FA_DTYPES, "actual_seq_qlen": ("int64",),
-                       "actual_seq_kvlen": ("int64",)},
-               backward=_fa_v3_backward, source=f"{_DOCS} (npu_fusion_attention_v3)"),
+               dtypes=_FA_DTYPES, backward=_fa_v3_backward, source=f"{_DOCS} (npu_fusion_attention_v3)"),
     EmulatedOp("npu_fusion_attention_grad_v3",
                fake=_fake_of(R3.npu_fusion_attention_grad_v3, _grads),
-               dtypes={**_FA_GRAD_DTYPES, "actual_seq_qlen": ("int64",),
-                       "actual_seq_kvlen": ("int64",)},
+               dtypes=_FA_GRAD_DTYPES,
                source=f"{_DOCS} (npu_fusion_attention_v3: its backward kernel has no doc)"),
     # attention out fp16/fp32/bf16, the statistics fp32, actual_seq_qlen int64 (the doc)
     EmulatedOp("npu_ring_attention_update", fake=_fake_of(R3.npu_ring_attention_update, _ring),
