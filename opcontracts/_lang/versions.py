@@ -8,7 +8,9 @@ its backend entry point.  So versions come from places that are safe to read:
 torch_npu  ``set_versions`` > ``OPCONTRACTS_TORCH_NPU_VERSION`` > a ``torch_npu`` module
            already in ``sys.modules`` (the emulation's stand-in says so with
            ``__opcontracts_emulation__``) > package metadata (``torch-npu`` / ``torch_npu``)
-cann       ``set_versions`` > ``OPCONTRACTS_CANN_VERSION`` > the ops package's
+cann       ``set_versions`` > ``OPCONTRACTS_CANN_VERSION`` > the emulation's stack (the stand-in
+           ``torch_npu``'s ``__opcontracts_stack__``: the CANN its kernels behave as) > the ops
+           package's
            ``<arch>-linux/ascend_ops_install.info`` (CANN >= 8.5 ships the kernels as a
            separate ops package whose version can differ from the toolkit's; the kernels are
            what contracts speak about; the toolkit's version is shown beside it) > the
@@ -22,7 +24,7 @@ torch      ``torch.__version__`` when imported, else package metadata
 soc        ``set_versions`` > ``OPCONTRACTS_SOC`` > ``torch_npu.npu.get_device_name()`` when
            torch_npu is already loaded (it reads the name without the device's lazy init;
            ``get_soc_version()`` runs that init and is never called; detection never imports
-           torch_npu to ask)
+           torch_npu to ask; the emulation reports its SoC through its npu device only)
 ========== ===========================================================================
 
 CANN names its releases ``8.0.RC3``, ``8.0.RC2.alpha003``, ``8.1.RC1``: ``normalize_version``
@@ -420,6 +422,26 @@ def detect_soc() -> tuple[str, str, bool] | None:
     return name.strip(), "torch_npu.npu.get_device_name()", False
 
 
+_EMULATED_ORIGIN = "opcontracts emulation"
+
+
+def _emulated(name: str) -> tuple[str, str] | None:
+    """(value, origin) of ``name`` (``cann``) as the emulation states it: the stand-in
+    ``torch_npu``'s ``__opcontracts_stack__``, the stack the emulated kernels behave as.  On the
+    emulation the kernels that run are the emulated ones, so their stack is the CANN that counts,
+    before any toolkit files on the machine."""
+    mod = sys.modules.get("torch_npu")
+    if mod is None or not getattr(mod, "__opcontracts_emulation__", None):
+        return None
+    stack = getattr(mod, "__opcontracts_stack__", None)
+    if not isinstance(stack, dict) or not stack.get(name):
+        return None
+    value = stack[name]
+    profile = stack.get("profile")
+    what = f" (profile {profile!r})" if profile else ""
+    return str(value), f"{_EMULATED_ORIGIN}{what}: the stack its kernels behave as"
+
+
 def _detect() -> Env:
     values: dict[str, str | None] = dict.fromkeys(FIELDS)
     origins: dict[str, str] = {}
@@ -458,9 +480,11 @@ def _detect() -> Env:
                 if found[2]:
                     emulated.append(name)
         elif name == "cann":
-            cann = detect_cann()
+            cann = _emulated("cann") or detect_cann()
             if cann is not None:
                 put(name, cann[0], cann[1])
+                if cann[1].startswith(_EMULATED_ORIGIN):
+                    emulated.append(name)
         elif name == "torch":
             found = _module_version("torch", sys.modules.get("torch"), ("torch",))
             if found is not None:

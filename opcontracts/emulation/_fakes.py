@@ -208,7 +208,7 @@ def npu_moe_finalize_routing(
 ) -> torch.Tensor:
     topk = scales.size(1) if scales is not None else max(k or 1, 1)
     rows = expanded_src_to_dst_row.numel() // topk
-    return expanded_permuted_rows.new_empty((rows, expanded_permuted_rows.size(1)))
+    return expanded_permuted_rows.new_empty((rows, expanded_permuted_rows.size(-1)))
 
 
 def npu_moe_gating_top_k_softmax(

@@ -28,6 +28,7 @@ import torch
 
 from ..reference import _attention as R
 from ..reference import _attention_infer as RI
+from ..reference import _fam_attention_v3 as R3
 from . import _captured
 from ._family import EmulatedOp
 
@@ -92,6 +93,20 @@ def _fa(a: dict[str, Any]) -> tuple[Any, ...]:
     out, stats = _attention_out(a["query"], a["key"], a["value"], a["head_num"],
                                 a["input_layout"])
     return (out, stats, stats.new_empty(stats.shape), a["query"].new_empty((0,)), 0, 0, 0)
+
+
+def _fa3(a: dict[str, Any]) -> tuple[Any, ...]:
+    out, stats = _attention_out(a["query"], a["key"], a["value"], a["head_num"],
+                                a["input_layout"])
+    seed = a["query"].new_empty((1,), dtype=torch.int64)
+    return (out, stats, stats.new_empty(stats.shape), a["query"].new_empty((0,)), seed,
+            seed.new_empty((1,)))
+
+
+def _ring(a: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+    return (a["prev_attn_out"].new_empty(a["prev_attn_out"].shape),
+            a["prev_softmax_max"].new_empty(a["prev_softmax_max"].shape),
+            a["prev_softmax_sum"].new_empty(a["prev_softmax_sum"].shape))
 
 
 def _grads(a: dict[str, Any]) -> tuple[torch.Tensor, ...]:
@@ -202,6 +217,25 @@ def _fa_backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[str, 
             "sink": dsink if i["sink"] is not None else None}
 
 
+def _fa_v3_backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[str, Any]:
+    """v1's formula through the v3 grad kernel (the seed and offset as tensors)."""
+    i = inputs
+    dq, dk, dv, dpse, dsink = _captured.call("npu_fusion_attention_grad_v3",
+        i["query"], i["key"], i["value"], _dy(outputs, grads), i["head_num"], i["input_layout"],
+        pse=i["pse"], padding_mask=i["padding_mask"], atten_mask=i["atten_mask"],
+        softmax_max=outputs[1], softmax_sum=outputs[2], softmax_in=outputs[3],
+        attention_in=outputs[0], scale_value=i["scale"], keep_prob=i["keep_prob"],
+        pre_tockens=i["pre_tockens"], next_tockens=i["next_tockens"],
+        inner_precise=i["inner_precise"], seed=outputs[4], offset=outputs[5],
+        prefix=i["prefix"], actual_seq_qlen=i["actual_seq_qlen"],
+        actual_seq_kvlen=i["actual_seq_kvlen"], sparse_mode=i["sparse_mode"],
+        gen_mask_parallel=i["gen_mask_parallel"], sync=i["sync"],
+        softmax_layout=i["softmax_layout"], sink=i["sink"])
+    return {"query": dq, "key": dk, "value": dv,
+            "pse": dpse if i["pse"] is not None else None,
+            "sink": dsink if i["sink"] is not None else None}
+
+
 def _fa_v2_backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[str, Any]:
     """MindSpeed's FusionAttentionV2Function.backward: the v2 grad kernel, same arguments."""
     i = inputs
@@ -263,6 +297,21 @@ OPS: tuple[EmulatedOp, ...] = (
                fake=_fake_of(R.npu_fusion_attention_grad_v2, _grads_v2),
                dtypes=_FA2_GRAD_DTYPES,
                source=f"{_DOCS} (npu_fusion_attention_v2: its backward kernel has no doc)"),
+    # v3: v1's kernel with int64 length tensors (their values read, as v1's int[] lists: no
+    # dtype of theirs is misread), seed / offset tensors (torch_npu 2.14.0 schema)
+    EmulatedOp("npu_fusion_attention_v3", fake=_fake_of(R3.npu_fusion_attention_v3, _fa3),
+               dtypes=_FA_DTYPES, backward=_fa_v3_backward, source=f"{_DOCS} (npu_fusion_attention_v3)"),
+    EmulatedOp("npu_fusion_attention_grad_v3",
+               fake=_fake_of(R3.npu_fusion_attention_grad_v3, _grads),
+               dtypes=_FA_GRAD_DTYPES,
+               source=f"{_DOCS} (npu_fusion_attention_v3: its backward kernel has no doc)"),
+    # attention out fp16/fp32/bf16, the statistics fp32, actual_seq_qlen int64 (the doc)
+    EmulatedOp("npu_ring_attention_update", fake=_fake_of(R3.npu_ring_attention_update, _ring),
+               dtypes={"prev_attn_out": FLOATS, "cur_attn_out": FLOATS,
+                       "prev_softmax_max": FP32, "prev_softmax_sum": FP32,
+                       "cur_softmax_max": FP32, "cur_softmax_sum": FP32,
+                       "actual_seq_qlen": ("int64",)},
+               source=f"{_DOCS} (npu_ring_attention_update)"),
     EmulatedOp("npu_prompt_flash_attention",
                fake=_fake_of(RI.npu_prompt_flash_attention, _pfa), dtypes=_PFA_DTYPES,
                source=f"{_DOCS} (npu_prompt_flash_attention)"),

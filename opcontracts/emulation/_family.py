@@ -53,7 +53,7 @@ NO_DERIVATIVE = "no derivative"
 ``RuntimeError: derivative for 'npu::<op>' is not implemented``, as on the NPU."""
 
 FAMILIES = ("_fam_attention", "_fam_norm_quant", "_fam_gemm_comm", "_fam_moe_serving",
-            "_fam_moe_token")
+            "_fam_moe_token", "_fam_quant_prep")
 """The family modules of this package, in registration order."""
 
 DIGEST_RELEASE = "2.14.0"

@@ -42,15 +42,20 @@ def _real_torch_npu() -> str | None:
 def install(
     profile: str | _profiles.ProfileSpec | _profiles.Profile = "narrow",
     *,
-    version: str = DEFAULT_TORCH_NPU_VERSION,
+    version: str | None = None,
     mindspeed_version: str = DEFAULT_MINDSPEED_VERSION,
     device: bool | str = False,
     mindspeed_line: str = "core_r0.8.0",
 ) -> None:
     """Register the emulated ``torch.ops.npu`` ops and the stand-in modules.
 
-    ``profile`` is a name from ``PROFILES`` or a mapping of the same structure. ``version`` is
-    the torch_npu release to emulate: its structure (``_release``: which MoE token ops are
+    ``profile`` is a name from ``PROFILES`` or a mapping of the same structure.  A named
+    profile behaves as one stack (``_profiles.STACKS``: torch_npu, CANN, SoC), and while the
+    emulation is installed the detected versions say so (``opcontracts.versions()``: CANN and
+    the SoC from the stand-in ``torch_npu``), so strict mode judges calls on the stack whose
+    kernels run; ``set_versions``, ``OPCONTRACTS_*_VERSION`` and declared targets still win.
+    A custom mapping states no CANN (unknown).  ``version`` is
+    the torch_npu release to emulate (default: the profile's, ``2.13.0``): its structure (``_release``: which MoE token ops are
     autograd-only over an internal ``_npu_*`` op, which grad ops their backward calls, with the
     release's schemas) and the version the stand-in reports; a release the wheel digest does
     not know is a ValueError naming the known ones. ``mindspeed_line`` is the MindSpeed line the
@@ -75,6 +80,10 @@ def install(
     device already installed.
     """
     global _lib, _ms_lib, _finder, _release
+    resolved = _profiles.resolve(profile, _ops.tensor_args())
+    stack = resolved.stack
+    if version is None:
+        version = stack.torch_npu if stack is not None else DEFAULT_TORCH_NPU_VERSION
     _check_release(version)
     set_line(mindspeed_line)
     if _lib is not None and _release != version:
@@ -82,12 +91,13 @@ def install(
             device = _device.reported_soc()  # the device stays, with the SoC it reports
         uninstall()
     with _lock:
-        resolved = _profiles.resolve(profile, _ops.tensor_args())
-        versions = {"torch_npu": version, "mindspeed": mindspeed_version}
+        versions = {"torch_npu": version, "mindspeed": mindspeed_version,
+                    **_stack_versions(resolved, device)}
         if _lib is not None and _finder is not None:
             _profiles.activate(resolved)
             _finder.set_versions(versions)
             _install_device(device)
+            _versions_changed()
             return
         reason = _real_torch_npu()
         if reason is not None:
@@ -110,11 +120,34 @@ def install(
         except BaseException:
             _drop()  # nothing half-installed
             raise
+    _versions_changed()
     # The new ``torch.ops.npu`` ops appear without any import the patch's hook could see:
     # an applied patch guards them now (it never imports anything itself).
     patch = sys.modules.get("opcontracts.patch")  # never imported from here
     if patch is not None and patch.is_applied():
         patch.apply()
+
+
+def _stack_versions(profile: _profiles.Profile, device: bool | str) -> dict[str, str]:
+    """What the stand-in ``torch_npu`` says of the stack (``_standins.STACK``): the profile,
+    its CANN and the SoC (the device's when it reports one, else the profile's)."""
+    stack = profile.stack
+    if isinstance(device, str) and device:
+        soc = device
+    elif _device.installed():
+        soc = _device.reported_soc()
+    else:
+        soc = stack.soc if stack is not None else ""
+    return {"profile": profile.name, "cann": (stack.cann or "") if stack is not None else "",
+            "soc": soc}
+
+
+def _versions_changed() -> None:
+    """The detected versions re-read (the stack the stand-in states may have changed with the
+    profile while ``torch_npu`` stayed the same module), the registry's resolutions with them."""
+    versions = sys.modules.get("opcontracts._lang.versions")  # not loaded: nothing cached
+    if versions is not None:
+        versions.refresh()
 
 
 def _install_device(device: bool | str) -> None:

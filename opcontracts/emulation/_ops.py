@@ -35,7 +35,7 @@ import torch
 from torch.library import Library
 
 from .. import reference
-from . import _captured, _fakes, _raw, _release
+from . import _captured, _fakes, _glue, _raw, _release
 from ._autograd import BackwardFn, make_autograd_kernel
 from ._backward import BACKWARDS, moe_token_backwards
 from ._family import DIGEST_RELEASE, all_ops, backward_of, digest_schema
@@ -193,6 +193,23 @@ def _through(view: Callable[[str, str, Any], Any], name: str, fn: Callable[..., 
     return entry
 
 
+def _glued(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` behind the checks torch_npu's C++ glue makes for ``name`` (``_glue``), if any."""
+    check = _glue.checks(name)
+    if check is None:
+        return fn
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def entry(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        check(bound.arguments)
+        return fn(*args, **kwargs)
+
+    return entry
+
+
 def _opaque(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` run as a C++ kernel runs: below autograd, so the plain-PyTorch ops inside it record
     no graph.  An op without an autograd kernel then gets torch's autograd fallback, as on the NPU
@@ -270,9 +287,10 @@ def _register_op(lib: Library, op: OpDef, backward: BackwardFn | None, internal:
         lib.impl(op.name, autograd_kernel, "Autograd", with_keyset=True)
         lib.impl(op.name, below, "CompositeExplicitAutograd")
     else:
-        lib.impl(op.name, _opaque(_through(_raw.kernel_view, view_name, op.kernel)),
+        lib.impl(op.name, _opaque(_glued(op.name, _through(_raw.kernel_view, view_name, op.kernel))),
                  "CompositeExplicitAutograd")
-    torch.library.register_fake(qualified, _through(_raw.fake_view, view_name, op.fake), lib=lib)
+    torch.library.register_fake(
+        qualified, _glued(op.name, _through(_raw.fake_view, view_name, op.fake)), lib=lib)
     if backward is not None and not public_only:
         overload = getattr(getattr(torch.ops, NAMESPACE), op.name).default
         lib.impl(op.name, make_autograd_kernel(overload, backward), "Autograd", with_keyset=True)
@@ -321,11 +339,13 @@ def _register_overload(lib: Library, op: OpDef, overload: str, names: tuple[str,
                        backward: BackwardFn | None) -> None:
     qualified = f"{op.name}.{overload}"
     lib.define(overload_schema(op.name, overload))
-    lib.impl(qualified, _opaque(_through(_raw.kernel_view, op.name, _with_tensors(op.kernel, names))),
+    lib.impl(qualified, _opaque(_glued(qualified, _through(_raw.kernel_view, op.name,
+                                                           _with_tensors(op.kernel, names)))),
              "CompositeExplicitAutograd")
     torch.library.register_fake(
         f"{NAMESPACE}::{qualified}",
-        _through(_raw.fake_view, op.name, _with_tensors(op.fake, names, fake=True)), lib=lib)
+        _glued(qualified, _through(_raw.fake_view, op.name, _with_tensors(op.fake, names, fake=True))),
+        lib=lib)
     if backward is not None:
         ov = getattr(getattr(getattr(torch.ops, NAMESPACE), op.name), overload)
         lib.impl(qualified, make_autograd_kernel(ov, _backward_with_tensors(backward, names)),

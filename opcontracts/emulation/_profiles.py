@@ -31,6 +31,8 @@ __all__ = [
     "PROFILES",
     "Profile",
     "ProfileSpec",
+    "STACKS",
+    "Stack",
     "activate",
     "active",
     "deactivate",
@@ -180,6 +182,47 @@ PROFILES: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {
 }
 
 
+@dataclass(frozen=True)
+class Stack:
+    """The real stack a profile's kernels behave as: what the emulation reports while it is
+    installed (``opcontracts.versions()``, ``opcontracts run``'s header), so the contracts judge
+    calls on the stack whose kernels run.  ``torch_npu`` is the release whose schemas and
+    structure the ops have (``install(version=...)`` overrides it); ``soc`` the chip the npu
+    device reports (``install(device="...")`` overrides it); ``cann`` the CANN release whose
+    kernel limits the profile's tables are, None where no one release is (a custom profile)."""
+
+    torch_npu: str
+    cann: str | None
+    soc: str
+    why: str = ""
+
+
+_TORCH_NPU = "2.13.0"  # the emulation's default release (``_install.DEFAULT_TORCH_NPU_VERSION``)
+_SOC = "Ascend910B3"  # an Atlas A2 training chip (``_device.DEFAULT_SOC``)
+
+STACKS: dict[str, Stack] = {
+    # The MoE token kernels are bf16 only: CANN 8.0.RC3's aclnnMoeTokenPermute / Unpermute and
+    # their grads (contracts/torch_npu/moe_token_permute.toml, the cann < 8.0.0 tables).
+    "narrow": Stack(_TORCH_NPU, "8.0.RC3", _SOC,
+                    "the MoE token permute/unpermute kernels and their grads take bf16 only, "
+                    "as CANN 8.0.RC3's do"),
+    # The unpermute backward is bf16 only (8.0.RC3's limit, MindSpeed's JIT-built op): reported
+    # as 8.0.RC3 so that strict mode rejects what that kernel would misread, although the
+    # forward kernels here read fp16/fp32 as CANN >= 8.0.0's do.
+    "incident": Stack(_TORCH_NPU, "8.0.RC3", _SOC,
+                      "the unpermute backward kernel takes bf16 only, as CANN 8.0.RC3's does "
+                      "(the forward kernels are wider: strict mode rejects what the backward "
+                      "would misread)"),
+    # Every kernel as the torch_npu 2.13/2.14 docs describe it: CANN >= 8.0.0's tables; 9.1.0 is
+    # the CANN the compatibility table pairs with the newest listed torch_npu (Ascend/pytorch
+    # COMPATIBILITY.en.md: 2.12.0 .. 2.7.1.post8 with CANN 9.1.0).
+    "wide": Stack(_TORCH_NPU, "9.1.0", _SOC,
+                  "every kernel reads the dtypes the torch_npu 2.13/2.14 docs list, as a "
+                  "CANN 9.1.0 stack does"),
+}
+"""Per named profile, the stack it behaves as."""
+
+
 def _add_families() -> None:
     """The family modules' ops (``_family.EmulatedOp``): their documented dtypes in every
     profile, with their per-profile overrides."""
@@ -212,6 +255,8 @@ class Profile:
 
     name: str
     kernels: Mapping[str, Mapping[str, tuple[torch.dtype, ...]]]
+    stack: Stack | None = None
+    """the stack a named profile behaves as (``STACKS``); None for a custom mapping"""
 
     def supported(self, kernel: str, arg: str) -> tuple[torch.dtype, ...] | None:
         """The dtypes ``kernel`` reads ``arg`` correctly in, or None when unrestricted."""
@@ -280,7 +325,7 @@ def resolve(
                 raise ValueError(f"{where}: needs at least one dtype")
             entry[arg] = resolved
         kernels[kernel] = MappingProxyType(entry)
-    return Profile(name=name, kernels=MappingProxyType(kernels))
+    return Profile(name=name, kernels=MappingProxyType(kernels), stack=STACKS.get(name))
 
 
 _lock = threading.Lock()

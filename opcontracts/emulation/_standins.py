@@ -868,6 +868,15 @@ def _export(module: types.ModuleType, functions: Sequence[Callable[..., Any]]) -
     module.__all__ = [fn.__name__ for fn in functions]  # type: ignore[attr-defined]
 
 
+STACK = "__opcontracts_stack__"
+"""The stand-in ``torch_npu``'s attribute saying the CANN and SoC the emulated kernels behave
+as (the profile's ``Stack``): ``opcontracts._lang.versions`` reads it, never imports anything."""
+
+
+def _stack(versions: dict[str, str]) -> dict[str, str]:
+    return {k: versions[k] for k in ("profile", "cann", "soc") if versions.get(k)}
+
+
 class _Builders:
     """What each stand-in module contains; versions are read at build time."""
 
@@ -876,6 +885,7 @@ class _Builders:
 
     def torch_npu(self, module: types.ModuleType) -> None:
         module.__version__ = self.versions["torch_npu"]  # type: ignore[attr-defined]
+        module.__opcontracts_stack__ = _stack(self.versions)  # type: ignore[attr-defined]
         module.__doc__ = "opcontracts emulation of torch_npu: npu_* are torch.ops.npu packets."
         ns = _npu()
         for name in OP_NAMES:
@@ -1040,3 +1050,5 @@ class StandinFinder(importlib.abc.MetaPathFinder):
             module = sys.modules.get(name)
             if is_standin(module):
                 module.__version__ = self.versions[attr]  # type: ignore[union-attr]
+                if name == "torch_npu":
+                    setattr(module, STACK, _stack(self.versions))

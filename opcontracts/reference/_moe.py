@@ -395,19 +395,21 @@ def _routed_rows(sorted_indices: torch.Tensor, drop_and_pad: bool
 def npu_moe_init_routing(
     x: torch.Tensor, row_idx: torch.Tensor, expert_idx: torch.Tensor, active_num: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """aclnnMoeInitRouting: sort (expert, row) pairs; gather rows of x in that order.
+    """aclnnMoeInitRouting: sort the (expert, row) pairs by expert; gather rows of x in that order.
 
     Returns ``expanded_x`` ((min(N, active_num) * K, H)), ``expanded_row_idx`` (for each
     ``row_idx`` value, the row of expanded_x holding it) and ``expanded_expert_idx`` (the sorted
     expert ids). ``row_idx[n, k]`` is conventionally ``k * N + n``; its source row is
-    ``row_idx % N``.
+    ``row_idx % N``.  Pairs of the same expert keep their position in ``expert_idx`` (row-major:
+    ``n * K + k``), not the order of their ``row_idx`` values: the kernel's key-value sort is
+    stable over the flattened ids (op-plugin docs, torch_npu-npu_moe_init_routing.md, its
+    equivalent numpy: ``argsort(expert_idx.reshape(-1), kind="stable")``).
     """
     n_rows, topk = expert_idx.shape
     total = n_rows * topk
     experts = expert_idx.reshape(-1).long()
     rows = row_idx.reshape(-1).long()
-    by_row = torch.argsort(rows, stable=True)
-    order = by_row[torch.argsort(experts[by_row], stable=True)]
+    order = torch.argsort(experts, stable=True)
     sorted_rows = rows[order]
     expanded_expert_idx = experts[order].to(torch.int32)
     expanded_row_idx = torch.zeros(total, dtype=torch.int64, device=x.device)
@@ -432,13 +434,23 @@ def npu_moe_finalize_routing(
 ) -> torch.Tensor:
     """aclnnMoeFinalizeRouting:
     ``out[i] = skip1[i] + skip2[i] + sum_k scales[i, k] * (rows[dst[k * N + i]] + bias[expert[i, k]])``.
+
+    ``drop_pad_mode`` 1 and 3 (drop-pad: capacity C per expert): ``expanded_permuted_rows`` is
+    (E, C, H), read as (E * C, H); a ``dst`` of -1 is a dropped token, whose row reads as zeros
+    (its bias still counts).  2 and 3 lay ``dst`` out by row (``dst[i * K + k]``) instead of by
+    column.  op-plugin docs, torch_npu-npu_moe_finalize_routing.md (the parameter list, the
+    equivalent numpy: ``reshape(-1, H)`` and ``value == -1``).
     """
     acc = acc_dtype(expanded_permuted_rows)
     topk = scales.size(1) if scales is not None else max(k or 1, 1)
     dst = expanded_src_to_dst_row.reshape(-1)
     n_rows = dst.numel() // topk
-    hidden = expanded_permuted_rows.size(1)
-    rows = gather_rows(expanded_permuted_rows.to(acc), dst[: n_rows * topk]).view(topk, n_rows, hidden)
+    dst = dst[: n_rows * topk]
+    if drop_pad_mode in (2, 3):  # by row: (N, K) -> the by-column (K, N) order
+        dst = dst.view(n_rows, topk).T.reshape(-1)
+    hidden = expanded_permuted_rows.size(-1)
+    table = expanded_permuted_rows.reshape(-1, hidden).to(acc)
+    rows = gather_rows(table, dst).view(topk, n_rows, hidden)
     if bias is not None and export_for_source_row is not None:
         experts = export_for_source_row.reshape(n_rows, topk).T  # (K, N)
         rows = rows + gather_rows(bias.to(acc), experts.reshape(-1)).view(topk, n_rows, hidden)

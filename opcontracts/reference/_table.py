@@ -5,9 +5,11 @@ from __future__ import annotations
 from . import (
     _examples,
     _fam_attention,
+    _fam_attention_v3,
     _fam_gemm_comm,
     _fam_moe_serving,
     _fam_norm_quant,
+    _fam_quant_prep,
     _grads,
     _matmul,
     _mindspeed,
@@ -119,4 +121,5 @@ SHIPPED: tuple[Reference, ...] = (
 
 # the families: each family module holds its own entries
 SHIPPED += (_fam_attention.REFERENCES + _fam_norm_quant.REFERENCES + _fam_gemm_comm.REFERENCES
-            + _fam_moe_serving.REFERENCES)
+            + _fam_moe_serving.REFERENCES + _fam_attention_v3.REFERENCES
+            + _fam_quant_prep.REFERENCES)

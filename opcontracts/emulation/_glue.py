@@ -1,0 +1,103 @@
+"""The checks torch_npu's C++ glue makes before it calls a kernel, raised as it raises them.
+
+op-plugin wraps most kernels in a short C++ function (``op_plugin/ops/opapi/*KernelNpuOpApi.cpp``)
+whose ``TORCH_CHECK``s reject some arguments before the aclnn kernel runs: a ``RuntimeError``
+whose message is the check's text.  The emulation runs the same checks, with the same key
+phrase, before the reference (and before the fake, as the glue runs before any output is
+allocated), so code that catches a real error (op-plugin's own tests do, by message) sees the
+one it would see on the NPU.  Only the glue's checks live here: what the kernel itself
+tolerates is the reference's business, what the documentation allows the contracts'.
+
+Each check takes the op's arguments by name (``checks(name)(**bound)``) and raises or returns.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+__all__ = ["GLUE_CHECKS", "checks"]
+
+_IN_NOT_SPLIT_OUT_NOT_SPLIT, _IN_SPLIT_OUT_NOT_SPLIT = 0, 1
+_GROUP_TYPES = (-1, 0, 2)  # DEFAULT_SPLIT, M_SPLIT, K_SPLIT
+
+
+def _grouped_matmul(args: Mapping[str, Any], *, tensor_group_list: bool) -> None:
+    """op-plugin GroupedMatmulKernelNpuOpApi.cpp (7.2.0 .. master): the ``Tensor? group_list``
+    overload requires ``group_type`` (its schema's default is None) and one of -1 / 0 / 2; both
+    overloads then run ``check_dims``.  The ``int[]? group_list`` overload (``.List``) checks
+    no group_type."""
+    if tensor_group_list:
+        group_type = args.get("group_type")
+        if group_type is None:
+            raise RuntimeError("Requires manual passing group_type, current is None.")
+        if group_type not in _GROUP_TYPES:
+            raise RuntimeError("Use Tensor input with current cann version, The group type must "
+                               f"be -1, 0 or 2, but now is [{group_type}]")
+    x, weight = list(args.get("x") or ()), list(args.get("weight") or ())
+    if not x or not weight:
+        raise RuntimeError("Invalid inputs: neither x nor weight could be empty.")
+    split_item = args.get("split_item")
+    split_item = 0 if split_item is None else split_item
+    if split_item not in (0, 1, 2, 3):
+        raise RuntimeError(f"Invalid value of split_item [{split_item}], which should only be "
+                           "one of 0/1/2/3.")
+    if split_item not in (_IN_NOT_SPLIT_OUT_NOT_SPLIT, _IN_SPLIT_OUT_NOT_SPLIT):
+        return
+    group_list = args.get("group_list")
+    if tensor_group_list:
+        single = len(weight) == 1 and weight[0].dim() == 3
+        n_weight = int(weight[0].size(0)) if single else len(weight)
+        n_groups = int(group_list.size(0)) if group_list is not None else 0
+    else:
+        n_weight = len(weight)
+        n_groups = len(group_list) if group_list is not None else 0
+    if n_groups > 0:
+        if len(x) != 1 or n_weight != n_groups:
+            raise RuntimeError(
+                "Invalid inputs. When split_item = 0 or 1 and input group_list is not None, the "
+                "following two conditions are supposed to be satisfied: (1) length of x equals 1; "
+                "(2) length of weight equals that of group_list. Actual lengths: "
+                f"x [{len(x)}], weight [{n_weight}], group_list [{n_groups}].")
+    elif len(x) != n_weight:
+        raise RuntimeError(
+            "When split_item = 0 or 1 and input group_list is None, the num of x tensors must "
+            f"equal the num of weight tensors.Actual lengths: x [{len(x)}], weight [{n_weight}].")
+
+
+def _on_ascend950() -> bool:
+    """Whether the emulated device reports an Ascend 950 (the glue skips some checks there)."""
+    module = sys.modules.get("torch_npu")
+    get = getattr(getattr(module, "npu", None), "get_device_name", None)
+    try:
+        return bool(get is not None and str(get()).startswith("Ascend950"))
+    except Exception:  # noqa: BLE001 - no device installed: the default chip, an A2
+        return False
+
+
+def _rotary_mode(op: str) -> Callable[[Mapping[str, Any]], None]:
+    """op-plugin RotaryMulKernelNpuOpApi.cpp / RotaryMulBackwardKernelNpuOpApi.cpp: before
+    Ascend 950, ``rotary_mode`` is ``half`` or ``interleave``."""
+
+    def check(args: Mapping[str, Any]) -> None:
+        mode = args.get("rotary_mode", "half")
+        if mode not in ("half", "interleave") and not _on_ascend950():
+            raise RuntimeError(f"The rotary_mode of {op} should be half or interleave, but got "
+                               f"{mode}")
+
+    return check
+
+
+GLUE_CHECKS: dict[str, Callable[[Mapping[str, Any]], None]] = {
+    "npu_grouped_matmul": lambda a: _grouped_matmul(a, tensor_group_list=True),
+    "npu_grouped_matmul.List": lambda a: _grouped_matmul(a, tensor_group_list=False),
+    "npu_rotary_mul": _rotary_mode("npu_rotary_mul"),
+    "npu_rotary_mul_backward": _rotary_mode("npu_rotary_mul_backward"),
+}
+"""Per op (``name`` or ``name.overload``), the glue's checks."""
+
+
+def checks(name: str) -> Callable[[Mapping[str, Any]], None] | None:
+    """The glue's checks of ``name`` (``op`` or ``op.overload``), or None when it has none."""
+    return GLUE_CHECKS.get(name)
