@@ -495,6 +495,9 @@ def test_every_shipped_op_compares_clean_forward_and_backward_on_conforming_inpu
     was_patched = patch.is_applied()
     emulation.install("narrow")
     patch.apply()
+    # the examples are small (8 experts, ...): judged on a CANN whose kernels take them, not on
+    # the 8.0.RC3 the narrow profile states (its token kernels read the examples' bf16 right)
+    prev = opcontracts.set_versions(cann="9.1.0")
     try:
         import torch_npu  # noqa: F401 - the stand-ins the MindSpeed targets live in
 
@@ -507,9 +510,13 @@ def test_every_shipped_op_compares_clean_forward_and_backward_on_conforming_inpu
         def fallback(t: torch.Tensor) -> bool:
             return t.grad_fn is not None and t.grad_fn.name() == "torch::autograd::WarnNotImplemented"
 
+        uncontracted = []
         for name in reference.names():
             ref = reference.get(name)
             assert ref is not None and ref.example is not None
+            if _contract(name) is None:  # nothing guards it, so nothing observes it
+                uncontracted.append(name)
+                continue
             args, kwargs = pytree.tree_map_only(
                 torch.Tensor, lambda t: t.clone().requires_grad_() if t.is_floating_point()
                 else t, ref.example(torch.Generator().manual_seed(0)))
@@ -531,7 +538,12 @@ def test_every_shipped_op_compares_clean_forward_and_backward_on_conforming_inpu
                 assert (res.grads_checked, res.grads_skipped) == (0, 1), res.summary()
             elif outs:
                 assert res.grads_checked >= 1 and res.grads_skipped == 0, name
+        # the emulated ops no contract guards yet (docs/emulation.md names them): a new one
+        # must be named there too, or get its contract
+        assert set(uncontracted) <= {"npu_fusion_attention_v3", "npu_fusion_attention_grad_v3",
+                                     "npu_quantize", "npu_format_cast"}, uncontracted
     finally:
+        opcontracts.set_versions(**prev)
         patch.unpatch()
         emulation.uninstall()
         if was_patched:

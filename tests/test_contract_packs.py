@@ -385,6 +385,8 @@ EXTRAS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "mindspeed.npu_gmm_v2": lambda b: {"bias": torch.zeros(3, 5, dtype=FP32)},
     "mindspeed.npu_ring_attention_update": lambda b: {
         "actual_seq_qlen": torch.tensor([1, 3, 4])},
+    "npu_ring_attention_update": lambda b: {"actual_seq_qlen": torch.tensor([1, 3, 4])},
+    "npu_trans_quant_param": lambda b: {"offset": torch.zeros_like(b["scale"])},
     "npu_fusion_attention": lambda b: {
         "pse": torch.zeros(1, 2, 4, 4, dtype=b["query"].dtype),
         "atten_mask": torch.zeros(4, 4, dtype=torch.bool),

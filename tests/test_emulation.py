@@ -1074,12 +1074,14 @@ def _opcontracts_imports(folder: Path, package: str) -> list[tuple[str, str]]:
 
 def test_emulation_imports_nothing_else_from_opcontracts() -> None:
     """The emulation is the references plus dtype profiles, with the real schemas: it may
-    import ``opcontracts.reference`` and the wheel digest (``opcontracts.wheel``, which imports
-    nothing of the enforcer) and nothing else of the package; the references import nothing
+    import ``opcontracts.reference``, the wheel digest (``opcontracts.wheel``, which imports
+    nothing of the enforcer) and the bottom layer's exceptions (``opcontracts.errors``: a bad
+    ``OPCONTRACTS_EMULATE_DEVICES`` is a ``SettingError``) and nothing else of the package;
+    the references import nothing
     of opcontracts at all (the dependency points one way)."""
     for name, module in _opcontracts_imports(EMULATION_DIR, "opcontracts.emulation"):
         assert module.startswith(("opcontracts.emulation", "opcontracts.reference",
-                                  "opcontracts.wheel")), (name, module)
+                                  "opcontracts.wheel", "opcontracts.errors")), (name, module)
     ref_dir = EMULATION_DIR.parent / "reference"
     for name, module in _opcontracts_imports(ref_dir, "opcontracts.reference"):
         assert module.startswith("opcontracts.reference"), (name, module)

@@ -273,7 +273,6 @@ INIT_RULES = [
     ({"expert_num": 10241}, "expert_num", "bound"),
     ({"drop_pad_mode": 1}, "drop_pad_mode", "allowed"),
     ({"expert_tokens_num_type": 3}, "expert_tokens_num_type", "allowed"),
-    ({"expert_tokens_num_flag": False}, "expert_tokens_num_flag", "allowed"),
     ({"quant_mode": 0}, "quant_mode", "allowed"),  # static quantisation: not supported
     ({"row_idx_type": 2}, "row_idx_type", "allowed"),
 ]
