@@ -37,8 +37,10 @@ __all__ = ["judge", "repeat", "warn_conditional", "reading_note", "reset"]
 
 _SITE_CAPACITY = 8  # call metadata learnt per call site
 _lock = threading.Lock()
-# (contract key, code, line) -> (message, site, warnings registry, learnt checks)
-_sites: dict[tuple[Any, ...], tuple[str, CallSite | None, dict[Any, Any], tuple[Any, ...]]] = {}
+# (contract key, code, line) -> (message, site, warnings registry, learnt checks by call form:
+# a check learnt for ``f(a, b, probs=p)`` cannot be called as ``f(a, b, p)``, ``memo.form``)
+_sites: dict[tuple[Any, ...],
+             tuple[str, CallSite | None, dict[Any, Any], dict[Any, tuple[Any, ...]]]] = {}
 
 
 # (op, argument) -> the fields whose being unknown made it conditional, for the end of a run
@@ -87,7 +89,7 @@ def repeat(cc: CompiledContract, code: Any, line: int, args: tuple[Any, ...],
     entry = _sites.get((cc.key, code, line))
     if entry is None or (cc.has_values and _values.ENABLED[0]):
         return False
-    for same in entry[3]:
+    for same in entry[3].get(memo.form(args, kwargs), ()):
         if same(*args, **kwargs):
             _emit(entry[0], entry[1], entry[2])
             return True
@@ -149,11 +151,14 @@ def warn_conditional(verdict: Verdict, cc: CompiledContract,
     with _lock:
         old = _sites.get(key)
         registry = old[2] if old is not None else {}
-        learnt = old[3] if old is not None else ()
-        if len(learnt) < _SITE_CAPACITY and not (cc.has_values and _values.ENABLED[0]):
+        learnt = dict(old[3]) if old is not None else {}
+        shape = memo.form(args, kwargs)
+        have = learnt.get(shape, ())
+        if len(have) < _SITE_CAPACITY and (have or len(learnt) < memo.SHAPES) \
+                and not (cc.has_values and _values.ENABLED[0]):
             same = memo.learn(args, any(r.kind == "contiguous" for r in cc.rules), kwargs)
             if same is not None:
-                learnt = learnt + (same,)
+                learnt[shape] = have + (same,)
         if len(_sites) >= 4096:
             _sites.pop(next(iter(_sites)), None)
         _sites[key] = (message, site, registry, learnt)
