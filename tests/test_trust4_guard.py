@@ -206,3 +206,112 @@ def test_a_nan_scalar_satisfies_no_bound(bound: dict[str, Any]) -> None:
             op(torch.ones(4), k)
     with pytest.raises(ContractViolation, match="'k'"):
         opcontracts.check(c, torch.ones(4), float("nan"))
+
+
+# --------------------------------------------------------------------------- item 5: settings
+def test_two_values_of_one_field_are_two_stacks_both_judged(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``cann=8.0.RC3,cann=9.1.0`` kept the last value only: the 8.0.RC3 stack, which rejects
+    fp32 probs, was never judged."""
+    from opcontracts._lang import targets
+
+    monkeypatch.setenv(targets.VAR, "torch_npu=2.13.0,soc=Ascend910B3,cann=8.0.RC3,cann=9.1.0")
+    found, _ = targets.declared()
+    assert [t.as_dict() for t in found] == [
+        {"torch_npu": "2.13.0", "cann": "8.0.RC3", "soc": "Ascend910B3"},
+        {"torch_npu": "2.13.0", "cann": "9.1.0", "soc": "Ascend910B3"}]
+    opcontracts.set_targets()  # read the variable again
+    with pytest.raises(ContractViolation, match="cann 8.0.RC3"):
+        opcontracts.check("npu_moe_token_unpermute", *_unpermute_args(torch.float32))
+    opcontracts.check("npu_moe_token_unpermute", *_unpermute_args(torch.bfloat16))
+    monkeypatch.setenv(targets.VAR, "cann=8.0.RC3,name=a2,name=a5")
+    with pytest.raises(opcontracts.SettingError, match="a target has one name"):
+        targets.declared()
+
+
+def test_a_typo_in_the_pyproject_table_is_a_setting_error(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from opcontracts._lang import targets
+
+    monkeypatch.delenv(targets.VAR, raising=False)
+    f = tmp_path / "pyproject.toml"
+    f.write_text('[tool.opcontracts]\ntarget = [{cann = "8.0.RC3"}]\n', encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(opcontracts.SettingError) as err:
+        targets.declared()
+    text = str(err.value)
+    assert str(f) in text and "'target'" in text and "did you mean 'targets'" in text
+
+
+def test_a_pyproject_that_is_not_utf8_is_a_setting_error(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from opcontracts._lang import targets
+
+    monkeypatch.delenv(targets.VAR, raising=False)
+    f = tmp_path / "pyproject.toml"
+    f.write_bytes('# caf\u00e9\n[tool.opcontracts]\ntargets = [{cann = "8.0.RC3"}]\n'
+                  .encode("latin-1"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(opcontracts.SettingError) as err:
+        targets.declared()
+    assert str(f) in str(err.value) and "UTF-8" in str(err.value)
+
+
+# --------------------------------------------------------------------------- a user file widens
+def test_a_verdict_resolved_before_torch_npu_was_imported_is_refreshed() -> None:
+    """``opcontracts run`` with a user's file: the patch resolves the file's ops when the
+    emulation's install applies it again, before the script imports ``torch_npu``.  torch_npu
+    was unknown then, and that resolution was kept after it became known, so a call rejected on
+    the known stack was only "conditional"."""
+    import sys
+
+    import opcontracts.patch as patch
+    from opcontracts import emulation
+
+    was = patch.is_applied()
+    patch.unpatch()
+    opcontracts.set_versions(cann="8.0.RC3", soc="Ascend910B3")
+    try:  # a user's contract for the op (as OPCONTRACTS_CONTRACTS loads one)
+        opcontracts.register(Contract("npu_fusion_attention_v2", {"head_num": Arg(ge=1)},
+                                      source="golden"))
+        emulation.install()
+        patch.apply()  # resolves the ops now, torch_npu not imported yet
+        assert "torch_npu" not in sys.modules
+        import torch_npu
+
+        ref = reference.get("npu_fusion_attention_v2")
+        assert ref is not None and ref.example is not None
+        args, kwargs = ref.example(torch.Generator().manual_seed(0))
+        opcontracts.set_mode("strict")
+        with pytest.raises(ContractViolation, match="'query'"):  # int64: no torch_npu takes it
+            torch_npu.npu_fusion_attention_v2(args[0].long(), *args[1:], **kwargs)
+    finally:
+        patch.unpatch()
+        emulation.uninstall()
+        opcontracts.set_versions(torch_npu=None, cann=None, mindspeed=None, soc=None)
+        if was:
+            patch.apply()
+
+
+def test_a_user_contract_on_releases_no_shipped_one_covers_opens_no_door() -> None:
+    """CANN 8.0.RC3 pinned, torch_npu unknown: the shipped contracts reject fp32 probs on every
+    torch_npu release they cover.  A user's narrowing contract that applies everywhere made
+    the releases they do not cover a reading that "accepts", and the rejection conditional."""
+    opcontracts.set_versions(cann="8.0.RC3", soc="Ascend910B3", torch_npu=None)
+    try:
+        with pytest.raises(ContractViolation, match="probs"):
+            opcontracts.check("npu_moe_token_unpermute", *_unpermute_args(torch.float32))
+        opcontracts.register(Contract("npu_moe_token_unpermute",
+                                      {"probs": Arg(rank=2, optional=True)},
+                                      when={"torch": ">=0"}, source="our MoE layer: K = 2"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ContractConditionalWarning)
+            with pytest.raises(ContractViolation, match="probs"):
+                opcontracts.check("npu_moe_token_unpermute", *_unpermute_args(torch.float32))
+            opcontracts.check("npu_moe_token_unpermute", *_unpermute_args(torch.bfloat16))
+            # the user's own rule still holds
+            tok, idx, p = _unpermute_args(torch.bfloat16)
+            with pytest.raises(ContractViolation, match="probs"):
+                opcontracts.check("npu_moe_token_unpermute", tok, idx, p.reshape(-1))
+    finally:
+        opcontracts.set_versions(torch_npu=None, cann=None, mindspeed=None, soc=None)

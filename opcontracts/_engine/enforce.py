@@ -30,6 +30,7 @@ import torch
 
 from .._lang import modes as _modes
 from .._lang import targets
+from .._lang import versions as _versions
 from ..errors import ContractViolation
 from . import conditional, memo
 from . import registry as _registry
@@ -149,6 +150,7 @@ def make_guard(fn: Callable[..., Any], cc: CompiledContract | None = None, *,
     OFF = _modes.OFF
     compiling = _is_dynamo_compiling  # folded to True by dynamo, ~18 ns in eager
     violated = _violated
+    fresh = _versions.current  # cheap when nothing changed; resets the guards when it did
     lock = threading.Lock()
     token = -1
     fast: Callable[..., Any]
@@ -238,8 +240,9 @@ def make_guard(fn: Callable[..., Any], cc: CompiledContract | None = None, *,
             if tries.get(shape, 1):
                 remember(shape, args, kwargs)
             return fn(*args, **kwargs)
+        fresh()  # a verdict on versions read before a module appeared is never given
         c = cc
-        if c is None:  # reset by another thread since `fast` ran: decide on the new contract
+        if c is None:  # reset since `fast` ran (versions changed): decide on the new contract
             return guarded(*args, **kwargs)
         try:
             return violated(m, c, fn, args, kwargs)
