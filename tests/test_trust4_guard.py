@@ -315,3 +315,28 @@ def test_a_user_contract_on_releases_no_shipped_one_covers_opens_no_door() -> No
                 opcontracts.check("npu_moe_token_unpermute", tok, idx, p.reshape(-1))
     finally:
         opcontracts.set_versions(torch_npu=None, cann=None, mindspeed=None, soc=None)
+
+
+def test_a_digest_whose_release_is_no_version_is_a_clear_error(tmp_path: Any,
+                                                               capsys: Any) -> None:
+    """``wheel verify --digest`` and ``wheel diff`` ended in an InvalidVersion traceback."""
+    import json
+
+    from opcontracts.cli import main as cli_main
+    from opcontracts.wheel import digest
+
+    data = digest.loads(digest.default_path().read_bytes())
+    first = sorted(data["versions"])[0]
+    data["versions"]["garbage"] = data["versions"].pop(first)
+    bad = tmp_path / "digest.json"
+    bad.write_text(json.dumps(data), encoding="utf-8")
+    for argv in (["wheel", "verify", "--digest", str(bad)],
+                 ["wheel", "diff", f"{bad}@2.14.0", str(bad)]):
+        try:
+            rc = cli_main(argv)
+        except SystemExit as exc:
+            rc = exc.code if isinstance(exc.code, int) else 2
+        out, err = capsys.readouterr()
+        assert rc == 2, (argv, out, err)
+        assert "Traceback" not in err
+        assert str(bad) in err and "field 'versions'" in err and "'garbage'" in err
