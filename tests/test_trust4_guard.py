@@ -31,6 +31,14 @@ def _unpermute_args(probs_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     return tokens, idx, torch.rand(n, k).to(probs_dtype)
 
 
+@pytest.fixture
+def cann_unknown(npu: Any) -> Any:
+    """The emulation with CANN and the chip unknown, whatever it reports: the incident's
+    fp32 probs are then conditional (rejected before CANN 8.0.0 only)."""
+    opcontracts.set_versions(cann="unknown", soc="unknown")
+    return npu
+
+
 def _stub_guard(op: str) -> tuple[Callable[..., Any], list[Any]]:
     """``enforce(op)`` over a stub with the reference's signature: the guard the patch makes,
     over a kernel that only records that it was reached."""
@@ -47,9 +55,10 @@ def _stub_guard(op: str) -> tuple[Callable[..., Any], list[Any]]:
 
 
 # --------------------------------------------------------------------------- the guard crashes
-def test_a_conditional_call_in_two_forms_at_one_line_runs_both(npu: Any) -> None:
+def test_a_conditional_call_in_two_forms_at_one_line_runs_both(cann_unknown: Any) -> None:
     """``same() takes 2 positional arguments but 3 were given``: the check learnt for the
     keyword form was called with the positional one."""
+    npu = cann_unknown
     tok, idx, p32 = _unpermute_args(torch.float32)
     calls = [lambda: npu.npu_moe_token_unpermute(tok, idx, probs=p32),
              lambda: npu.npu_moe_token_unpermute(tok, idx, p32)]
@@ -75,12 +84,6 @@ def test_gating_top_k_in_every_form_with_versions_unknown() -> None:
             for a, k in forms * 2:
                 assert guard(*a, **k) == "ran"
     assert len(reached) == 18
-
-
-def _three_lines(call: Callable[[], Any]) -> None:
-    call()
-    call()
-    call()
 
 
 def test_three_violating_lines_through_a_packet_are_three_sites(npu: Any) -> None:
@@ -111,7 +114,7 @@ def test_fix_mode_through_a_packet_repairs_and_records_each_line(npu: Any) -> No
     assert len(opcontracts.report().records) == 2
 
 
-def test_conditional_calls_through_a_packet_warn_at_each_line(npu: Any) -> None:
+def test_conditional_calls_through_a_packet_warn_at_each_line(cann_unknown: Any) -> None:
     tok, idx, p32 = _unpermute_args(torch.float32)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("default")
@@ -340,3 +343,23 @@ def test_a_digest_whose_release_is_no_version_is_a_clear_error(tmp_path: Any,
         assert rc == 2, (argv, out, err)
         assert "Traceback" not in err
         assert str(bad) in err and "field 'versions'" in err and "'garbage'" in err
+
+
+# --------------------------------------------------------------------------- item 17
+def test_the_conditional_warning_says_in_its_first_line_what_decides_and_how(
+        cann_unknown: Any) -> None:
+    """The newcomer's first experiment printed nine lines of combinations such as "soc
+    Ascend950 and cann <8.0.0": only CANN decides whether fp32 probs are wrong."""
+    tok, idx, p32 = _unpermute_args(torch.float32)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        cann_unknown.npu_moe_token_unpermute(tok, idx, p32)
+    [w] = [w for w in seen if w.category is ContractConditionalWarning]
+    head, *details = str(w.message).splitlines()
+    assert head == ("npu_moe_token_unpermute: argument 'probs' has dtype float32 (shape (4, 2)): "
+                    "rejected only where cann <8.0.0, and cann is unknown here: conditional "
+                    "until a target decides (OPCONTRACTS_TARGETS=\"cann=X\")")
+    assert any(d.startswith("  rejected:  cann <8.0.0 (") and d.endswith("expected bfloat16")
+               for d in details)
+    assert "  accepted:  cann >=8.0.0" in details
+    assert len(details) <= 6 and not any("Ascend950" in d for d in details)
