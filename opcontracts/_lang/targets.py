@@ -136,7 +136,7 @@ def parse_targets_text(text: str, where: str = VAR) -> tuple[Target, ...]:
         return ()
     parts = [p for p in text.split(";") if p.strip()]
     many = len(parts) > 1
-    out = []
+    out: list[Target] = []
     for i, part in enumerate(parts):
         at = f"{where} (target {i + 1} of {len(parts)})" if many else where
         out.extend(dataclasses.replace(t, origin=f"${where}" if where == VAR else where)
