@@ -150,7 +150,6 @@ def make_guard(fn: Callable[..., Any], cc: CompiledContract | None = None, *,
     OFF = _modes.OFF
     compiling = _is_dynamo_compiling  # folded to True by dynamo, ~18 ns in eager
     violated = _violated
-    fresh = _versions.current  # cheap when nothing changed; resets the guards when it did
     lock = threading.Lock()
     token = -1
     fast: Callable[..., Any]
@@ -240,7 +239,9 @@ def make_guard(fn: Callable[..., Any], cc: CompiledContract | None = None, *,
             if tries.get(shape, 1):
                 remember(shape, args, kwargs)
             return fn(*args, **kwargs)
-        fresh()  # a verdict on versions read before a module appeared is never given
+        # a verdict on versions read before a module appeared is never given (cheap when
+        # nothing changed; when something did, the registry resets the guards)
+        _versions.current()
         c = cc
         if c is None:  # reset since `fast` ran (versions changed): decide on the new contract
             return guarded(*args, **kwargs)
