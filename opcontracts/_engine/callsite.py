@@ -8,7 +8,8 @@ import warnings
 from dataclasses import dataclass
 from types import CodeType, FrameType
 
-__all__ = ["CallSite", "SiteToken", "find_call_site", "site_token", "site_of", "warn_at_caller"]
+__all__ = ["CallSite", "SiteToken", "find_call_site", "site_token", "site_of", "user_frame",
+           "warn_at_caller"]
 
 # the opcontracts package (this file is opcontracts/_engine/callsite.py)
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -117,6 +118,30 @@ def site_token(start: FrameType | None) -> SiteToken | None:
             return code, f.f_lineno, mod
         f = f.f_back
     return None
+
+
+def user_frame(start: FrameType) -> FrameType:
+    """The first frame above ``start`` outside opcontracts and torch (``start`` itself when
+    there is none): the frame whose code and line key a call site's caches, so calls through
+    a guarded packet's ``__call__``, a stand-in module or the observer layer count at the
+    user's line, not at ours.  Decided once per code object, as ``site_token`` does."""
+    global _kinds_skip
+    kinds = _kinds
+    if _kinds_skip != len(_EXTRA_SKIP) or len(kinds) > _KINDS_MAX:
+        kinds.clear()
+        _kinds_skip = len(_EXTRA_SKIP)
+    f: FrameType | None = start
+    while f is not None:
+        code = f.f_code
+        try:
+            mod = kinds[code]
+        except KeyError:
+            mod = None if _ours(code.co_filename) else str(f.f_globals.get("__name__", "?"))
+            kinds[code] = mod
+        if mod is not None:
+            return f
+        f = f.f_back
+    return start
 
 
 def site_of(token: SiteToken | None) -> CallSite | None:

@@ -217,11 +217,9 @@ class _Gen:
             n = d.names[0]
             self._bind(ind, n, f"_oc_d_{n}", size, f"{size} != _oc_d_{n}", definite, fail)
         elif d.kind == "expr":
-            py = d.py
-            for n in d.names:
-                py = _replace_name(py, n, f"_oc_d_{n}")
+            py, nonzero = _local_expr(d)
             if all(n in self.bound for n in d.names):
-                self.emit(ind, f"if {size} != {py}: {fail}")
+                self.emit(ind, f"if {nonzero}{size} != {py}: {fail}")
                 return
             if d.solve is not None and d.solve[0] not in self.bound:
                 x, k = d.solve  # k*X with X unbound: the size must divide, X is its quotient
@@ -239,7 +237,7 @@ class _Gen:
             if first:
                 guard = " and ".join(f"_oc_d_{n} is not _oc_U" for n in d.names)
                 self.deferred.append(
-                    (f"if {local} is not _oc_U and {guard} and {local} != {py}: "
+                    (f"if {local} is not _oc_U and {guard} and {nonzero}{local} != {py}: "
                      f"return _oc_V({rid}, {val if definite else 'None'}, __BINDINGS__, None)", 1)
                 )
 
@@ -480,27 +478,28 @@ class _Gen:
             self.emit(self.base, f"if {present} and not isinstance({v}, {self.const(numbers.Real)}): "
                          f"{self.fail(rid, v)}")
         for op_name, bound in bounds:
-            op_sym = {"ge": "<", "le": ">", "lt": ">="}[op_name]
             sym = {"ge": ">=", "le": "<=", "lt": "<"}[op_name]
             rid = self.rule(arg, "bound", f"{sym} {bound}", spec, detail=(sym, bound))
+            # "not (v >= 1)", not "v < 1": a NaN satisfies no bound
             if isinstance(bound, int):
-                self.emit(self.base, f"if {present} and {v} {op_sym} {bound}: {self.fail(rid, v)}")
+                self.emit(self.base, f"if {present} and not ({v} {sym} {bound}): "
+                                     f"{self.fail(rid, v)}")
                 if isinstance(default, numbers.Real) and not _holds(default, sym, bound):
                     self.emit(self.base, f"if {v} is _oc_M: {self.fail_default(rid, default)}")
             else:
                 d = parse_shape(bound).dims[0]
-                py = d.py or d.text
                 for n in d.names:
                     self._name(n)
-                    py = _replace_name(py, n, f"_oc_d_{n}")
+                py, _ = _local_expr(d)
                 guard = " and ".join(f"_oc_d_{n} is not _oc_U" for n in d.names) or "True"
+                guard += "".join(f" and {x}" for x in _divisors(d))
                 self.deferred.append(
-                    (f"if {present} and {guard} and {v} {op_sym} {py}: "
+                    (f"if {present} and {guard} and not ({v} {sym} {py}): "
                      f"return _oc_V({rid}, {v}, __BINDINGS__, None)", 1))
                 if isinstance(default, numbers.Real):  # left out: its default against the sizes
                     c = self.const(default)
                     self.deferred.append(
-                        (f"if {v} is _oc_M and {guard} and {c} {op_sym} {py}: "
+                        (f"if {v} is _oc_M and {guard} and not ({c} {sym} {py}): "
                          f"return _oc_V({rid}, {c}, __BINDINGS__, None, 'left out: its default')",
                          1))
 
@@ -639,6 +638,23 @@ def _int_list_tensor(v: list[Any] | tuple[Any, ...]) -> Any:
     return v
 
 
+def _local_expr(d: Dim) -> tuple[str, str]:
+    """A dimension's expression over the generated locals, and the test that must hold before
+    it is evaluated (``"_oc_d_G and "``: its divisors are not 0; ``""`` when it has none)."""
+    py = d.py or d.text
+    for n in d.names:
+        py = _replace_name(py, n, f"_oc_d_{n}")
+    return py, "".join(f"{x} and " for x in _divisors(d))
+
+
+def _divisors(d: Dim) -> list[str]:
+    """The divisors of a dimension's ``//``, over the generated locals, innermost first."""
+    out = list(d.divisors)
+    for n in d.names:
+        out = [_replace_name(x, n, f"_oc_d_{n}") for x in out]
+    return out
+
+
 def _replace_name(py: str, name: str, new: str) -> str:
     import re
 
@@ -646,7 +662,9 @@ def _replace_name(py: str, name: str, new: str) -> str:
 
 
 def _ident(op: str) -> str:
-    return "".join(ch if ch.isalnum() else "_" for ch in op)
+    # ASCII only: "²" is alphanumeric but no identifier, and a fullwidth letter is one that
+    # Python normalizes (NFKC) to another name than the one the namespace is read by
+    return "".join(ch if ch.isascii() and ch.isalnum() else "_" for ch in op)
 
 
 def _signature_source(params: Sequence[Param]) -> str:

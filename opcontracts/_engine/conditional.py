@@ -37,8 +37,10 @@ __all__ = ["judge", "repeat", "warn_conditional", "reading_note", "reset"]
 
 _SITE_CAPACITY = 8  # call metadata learnt per call site
 _lock = threading.Lock()
-# (contract key, code, line) -> (message, site, warnings registry, learnt checks)
-_sites: dict[tuple[Any, ...], tuple[str, CallSite | None, dict[Any, Any], tuple[Any, ...]]] = {}
+# (contract key, code, line) -> (message, site, warnings registry, learnt checks by call form:
+# a check learnt for ``f(a, b, probs=p)`` cannot be called as ``f(a, b, p)``, ``memo.form``)
+_sites: dict[tuple[Any, ...],
+             tuple[str, CallSite | None, dict[Any, Any], dict[Any, tuple[Any, ...]]]] = {}
 
 
 # (op, argument) -> the fields whose being unknown made it conditional, for the end of a run
@@ -87,7 +89,7 @@ def repeat(cc: CompiledContract, code: Any, line: int, args: tuple[Any, ...],
     entry = _sites.get((cc.key, code, line))
     if entry is None or (cc.has_values and _values.ENABLED[0]):
         return False
-    for same in entry[3]:
+    for same in entry[3].get(memo.form(args, kwargs), ()):
         if same(*args, **kwargs):
             _emit(entry[0], entry[1], entry[2])
             return True
@@ -107,10 +109,12 @@ def _unknown_text(res: Resolution) -> str:
     return " and ".join(names) + (" unknown" if res.unknown else "")
 
 
-def how_to_decide(res: Resolution) -> str:
-    """What a user sets so the verdict is decided (the variables name the fields unknown)."""
-    example = ",".join(f"{n}={'Ascend910B3' if n == 'soc' else 'X'}" for n in res.unknown) or "cann=X"
-    pins = [v for n in res.unknown if (v := _versions.ENV_VARS.get(n))]
+def how_to_decide(res: Resolution, fields: tuple[str, ...] | None = None) -> str:
+    """What a user sets so the verdict is decided (the variables name ``fields``, by default
+    every field unknown)."""
+    names = res.unknown if fields is None else fields
+    example = _example(names)
+    pins = [v for n in names if (v := _versions.ENV_VARS.get(n))]
     text = (f"set the target: OPCONTRACTS_TARGETS=\"{example}\", [tool.opcontracts] targets in "
             f"pyproject.toml, or opcontracts.set_targets({example.replace(',', ', ')})")
     if pins:
@@ -118,10 +122,49 @@ def how_to_decide(res: Resolution) -> str:
     return text
 
 
-def _why(raw: RawViolation) -> str:
-    """One rejecting reading's rule, short: ``expected int64; source ... (layer cann: ...)``."""
-    rule = raw.rule
-    return f"expected {rule.expected}; source: {source_text(rule.source, rule.layer)}"
+def _example(names: tuple[str, ...]) -> str:
+    return ",".join(f"{n}={'Ascend910B3' if n == 'soc' else 'X'}" for n in names) or "cann=X"
+
+
+def _conditions(label: str) -> list[str]:
+    """A reading's label cut at its top-level ``and``: ``soc A and cann <8.0.0`` ->
+    ``["soc A", "cann <8.0.0"]`` (a negated group in parentheses stays whole)."""
+    out, depth, start, i = [], 0, 0, 0
+    while i < len(label):
+        ch = label[i]
+        depth += (ch == "(") - (ch == ")")
+        if depth == 0 and label.startswith(" and ", i):
+            out.append(label[start:i])
+            i += 5
+            start = i
+            continue
+        i += 1
+    out.append(label[start:])
+    return [c.strip() for c in out if c.strip()]
+
+
+def _common(labels: list[str]) -> list[str]:
+    """The conditions every label has (in the first one's order): what the readings share."""
+    if not labels:
+        return []
+    rest = [set(_conditions(x)) for x in labels[1:]]
+    return [c for c in _conditions(labels[0]) if all(c in r for r in rest)]
+
+
+def _field_of(condition: str) -> str | None:
+    words = condition.removeprefix("not ").lstrip("(").split()
+    return words[0] if words and words[0] in _versions.FIELDS else None
+
+
+def _where(labels: list[str]) -> tuple[str, list[str]]:
+    """Where the readings hold, short: their common conditions, else the first two and a
+    count; and the conditions that text names (to find the fields that decide)."""
+    labels = list(dict.fromkeys(labels))
+    common = _common(labels)
+    if common:
+        return " and ".join(common), common
+    more = f" (or {len(labels) - 2} more)" if len(labels) > 2 else ""
+    return "; ".join(labels[:2]) + more, [c for x in labels for c in _conditions(x)]
 
 
 def warn_conditional(verdict: Verdict, cc: CompiledContract,
@@ -133,27 +176,46 @@ def warn_conditional(verdict: Verdict, cc: CompiledContract,
     first = verdict.rejected[0][1]
     arg = first.rule.arg if first.index is None else f"{first.rule.arg}[{first.index}]"
     rejecting = [r for r, _ in verdict.rejected]
-    where = "; ".join(dict.fromkeys(_reading_name(res, r) for r in rejecting))
+    where, named = _where([r.label or "every stack" for r in rejecting])
+    deciding = tuple(f for f in res.unknown if any(_field_of(c) == f for c in named)) \
+        or res.unknown
+    on = ""
+    if res.targets and len({r.stack for r in rejecting}) == 1:
+        on = f" on {res.stack_label(rejecting[0].stack)}"
+    unknown = " and ".join(deciding) or "a version"
+    # the first line says what decides and how to decide it; the details follow, short
     lines = [f"{cc.contract.op}: argument '{arg}' {actual(first)}: rejected only where "
-             f"{where}, and {_unknown_text(res)} here: not a violation until a target decides"]
+             f"{where}{on}, and {unknown} {'is' if len(deciding) < 2 else 'are'} unknown here: "
+             f"conditional until a target decides (OPCONTRACTS_TARGETS=\"{_example(deciding)}\")"]
+    by_expected: dict[str, list[str]] = {}
     for r, raw in verdict.rejected:
-        lines.append(f"  rejected:  {_reading_name(res, r)}: {_why(raw)}")
-    for r in verdict.accepted:
-        lines.append(f"  accepted:  {_reading_name(res, r)}")
+        by_expected.setdefault(raw.rule.expected, []).append(_reading_name(res, r))
+    total = len(rejecting) + len(verdict.accepted)
+    for expected, names in by_expected.items():
+        text, _ = _where(names)
+        count = f" ({len(names)} of {total} readings)" if len(names) > 1 else ""
+        lines.append(f"  rejected:  {text}{count}: expected {expected}")
+    if verdict.accepted:
+        text, _ = _where([_reading_name(res, r) for r in verdict.accepted])
+        lines.append(f"  accepted:  {text}")
+    lines.append(f"  source:    {source_text(first.rule.source, first.rule.layer)}")
     if site is not None:
         lines.append(f"  call site: {site}")
     lines.append("  verdict:   conditional: not raised (strict), not cast (fix), run as it came")
-    lines.append(f"  to decide: {how_to_decide(res)}")
+    lines.append(f"  to decide: {how_to_decide(res, deciding)}")
     message = "\n".join(lines)
     key = (cc.key, caller.f_code, caller.f_lineno)
     with _lock:
         old = _sites.get(key)
         registry = old[2] if old is not None else {}
-        learnt = old[3] if old is not None else ()
-        if len(learnt) < _SITE_CAPACITY and not (cc.has_values and _values.ENABLED[0]):
+        learnt = dict(old[3]) if old is not None else {}
+        shape = memo.form(args, kwargs)
+        have = learnt.get(shape, ())
+        if len(have) < _SITE_CAPACITY and (have or len(learnt) < memo.SHAPES) \
+                and not (cc.has_values and _values.ENABLED[0]):
             same = memo.learn(args, any(r.kind == "contiguous" for r in cc.rules), kwargs)
             if same is not None:
-                learnt = learnt + (same,)
+                learnt[shape] = have + (same,)
         if len(_sites) >= 4096:
             _sites.pop(next(iter(_sites)), None)
         _sites[key] = (message, site, registry, learnt)

@@ -30,6 +30,7 @@ import torch
 
 from .._lang import modes as _modes
 from .._lang import targets
+from .._lang import versions as _versions
 from ..errors import ContractViolation
 from . import conditional, memo
 from . import registry as _registry
@@ -238,8 +239,11 @@ def make_guard(fn: Callable[..., Any], cc: CompiledContract | None = None, *,
             if tries.get(shape, 1):
                 remember(shape, args, kwargs)
             return fn(*args, **kwargs)
+        # a verdict on versions read before a module appeared is never given (cheap when
+        # nothing changed; when something did, the registry resets the guards)
+        _versions.current()
         c = cc
-        if c is None:  # reset by another thread since `fast` ran: decide on the new contract
+        if c is None:  # reset since `fast` ran (versions changed): decide on the new contract
             return guarded(*args, **kwargs)
         try:
             return violated(m, c, fn, args, kwargs)

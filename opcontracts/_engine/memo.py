@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CAPACITY", "SHAPES", "available", "learn", "learnable"]
+__all__ = ["CAPACITY", "SHAPES", "available", "form", "learn", "learnable"]
 
 CAPACITY = 8
 """signatures remembered per guard and call shape"""
@@ -43,6 +43,12 @@ Check = Callable[..., bool]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # subclasses may override .dtype/.shape in Python
 _state: list[bool | None] = [None]
+
+
+def form(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
+    """A call's form, what a learnt check is kept by: the number of positional arguments, and
+    the keywords in order (a check learnt for one form cannot be called with another)."""
+    return (len(args), *kwargs) if kwargs else len(args)
 
 
 def _build(tensors: tuple[Any, ...], static_strides: bool) -> Check:

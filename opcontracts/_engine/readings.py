@@ -6,7 +6,9 @@ CPU test machine), each value it may take gives a reading; ``readings`` finds th
 by trying a representative of every interval the contracts' conditions cut (``8.0.0`` and
 ``8.0.0.post1`` for ``cann <8.0.0`` / ``cann >=8.0.0``, and one below the lowest bound; each
 chip named, and one named by none).  A reading where no contract applies is no reading: what
-is not known there is not "accepted".
+is not known there is not "accepted".  Nor is a reading where only a user's contracts apply
+while shipped ones apply on other readings (``Reading.partial``): its rejections count, its
+acceptance does not, so a user's file never turns a shipped rejection into a conditional.
 
 The guard enforces the strictest merge (``strict``): a call it accepts is accepted on every
 reading, so the hot path of a conforming call is what it was.  A call it rejects is judged on
@@ -47,6 +49,10 @@ class Reading:
     """what this reading assumes, in the contracts' words: ``cann >=8.0.0``"""
     contract: Contract
     """the contracts merged (the strictest within the reading); the one itself when alone"""
+    partial: bool = False
+    """only a user's contracts apply here, where shipped ones apply on the stack's other
+    readings: the shipped rules are silent here, not satisfied.  Its rejections count, its
+    acceptance does not (a user's contract adds to the rules, it never opens a door)"""
 
 
 @dataclass(frozen=True)
@@ -113,6 +119,8 @@ class Resolution:
                 raw = cc.check(*args, **kwargs)
             except TypeError:  # the arguments do not bind: the strict verdict stands
                 return None
+            if raw is None and r.partial:
+                continue  # the shipped rules say nothing here: no evidence the call is right
             by_stack.setdefault(r.stack, []).append(raw is None)
             if raw is None:
                 accepted.append(r)
@@ -239,12 +247,14 @@ def resolve_readings(op: str, candidates: Sequence[Contract], stacks: Sequence[E
         found = list(seen)
         # a reading that another contains is kept: its rules differ (fewer hold there)
         unknown_all |= set(names)
+        shipped_somewhere = any(is_shipped(cands[i]) for app in found for i in app)
         for app in found:
             items = [cands[i] for i in app]
             others = [c for c in maybe if all(c is not x for x in items)]
             label = _label([c for c in items if any(c is m for m in maybe)], others, set(names))
+            partial = shipped_somewhere and not any(is_shipped(c) for c in items)
             readings.append(Reading(si, tuple(items), label,
-                                    items[0] if len(items) == 1 else merge(items)))
+                                    items[0] if len(items) == 1 else merge(items), partial))
     used = {id(c) for r in readings for c in r.contracts}
     union = [c for c in candidates if id(c) in used]  # in the registry's order, as before
     strict = None if not union else union[0] if len(union) == 1 else merge(union)

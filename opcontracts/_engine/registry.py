@@ -267,6 +267,9 @@ def candidates(op: str) -> list[Contract]:
 
 def resolve(op: str) -> Contract | None:
     """The contract to enforce for ``op`` here, or ``None`` if none applies."""
+    # first the versions: a module that appeared since they were read (``import torch_npu``
+    # after the emulation's install) drops every resolution made without it
+    versions.current()
     with _lock:
         if op in _resolved:
             return _resolved[op]

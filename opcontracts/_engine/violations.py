@@ -27,8 +27,8 @@ from . import conditional as _conditional
 from . import memo, nesting
 from . import records as _report_mod
 from . import registry as _registry
-from .callsite import CallSite, find_call_site
-from .compile import MISSING, CompiledContract, RawViolation
+from .callsite import CallSite, find_call_site, user_frame
+from .compile import MISSING, CompiledContract, RawViolation, Rule
 from .nesting import call_within
 from .records import bump, current_rank, record
 
@@ -396,7 +396,9 @@ def _violated(m: _modes.Mode, cc: CompiledContract, fn: Callable[..., Any],
     check (no careful check, no frame walk, no binding); ``warn`` skips the message building.
     """
     __tracebackhide__ = True  # pytest: show the user's frame, not ours
-    caller = sys._getframe(depth)
+    # the user's frame: a guarded packet's ``__call__``, a stand-in or an observer's wrapper
+    # between it and the guard must not make every call one site
+    caller = user_frame(sys._getframe(depth))
     reading, decided = None, None
     if _conditional.resolution(cc) is not None:
         # the op's readings disagree (a version unknown, several targets): judged on each
@@ -535,18 +537,58 @@ class Repair(NamedTuple):
     step: tuple[str, int | None, str, Any] | None
     """(name, index, "contiguous" | "cast" | "partner", dtype or partner name), replayable by
     ``_replay``; None for an integer narrowing, which depends on the values"""
+    why: str | None = None
+    """why nothing repairs the call, when the planner (not a rule) says so: its casts conflict"""
 
 
 def plan_fix(cc: CompiledContract, b: _Bound, raw: RawViolation) -> list[Repair]:
     """Repair the call bound in ``b`` (in place: new containers, never a user tensor), rule by
     rule, until it conforms; the last repair has ``new`` None when one cannot be repaired.
     Shared by eager calls and by ``torch.compile``'s trace-time decision (on meta tensors,
-    where an integer narrowing raises ``NeedsValues``)."""
+    where an integer narrowing raises ``NeedsValues``).
+
+    A ``same_dtype`` rule first casts the argument to its partner's dtype.  When a later rule
+    then wants that argument back in another dtype (``query_rope`` must be bf16 and match
+    ``query``, which came as fp32), the casts conflict: the plan starts over casting the
+    partner to the argument's dtype instead, and if that conflicts too, nothing is cast and the
+    last repair says why."""
+    args, kwargs = list(b.args), dict(b.kwargs)
+    for toward_argument in (False, True):
+        out = _plan(cc, b, raw, toward_argument)
+        if out is not None:
+            return out
+        b.args, b.kwargs = list(args), dict(kwargs)  # start over from the call as it came
+    return [Repair(raw, b.get(raw.rule.partner), None, None,
+                   why=_conflict_text(cc, raw))]
+
+
+def _conflict_text(cc: CompiledContract, raw: RawViolation) -> str:
+    rule = raw.rule
+    arg = rule.arg if raw.index is None else f"{rule.arg}[{raw.index}]"
+    return (f"the casts it would make conflict (repairing '{arg}' breaks another rule of "
+            f"{cc.contract.op}): cast the tensors to one dtype the contract allows for all of them")
+
+
+def _plan(cc: CompiledContract, b: _Bound, raw: RawViolation,
+          toward_argument: bool) -> list[Repair] | None:
+    """One planning pass (see ``plan_fix``); None when its casts conflict: an argument breaks
+    a rule it was already repaired for, or the rounds run out."""
     out: list[Repair] = []
+    done: set[tuple[str, int | None, str]] = set()  # (argument, element, rule) repaired
     for _ in range(_FIX_ROUNDS):
         name = raw.rule.arg
         assert name is not None
+        if (name, raw.index, raw.rule.kind) in done:
+            return None
         partner = b.get(raw.rule.partner)
+        if toward_argument and raw.rule.kind == "same_dtype":
+            flipped = _flip(cc, raw, partner)
+            if flipped is not None:
+                raw, partner = flipped
+                name = raw.rule.arg
+                assert name is not None
+                if (name, None, "same_dtype") in done:
+                    return None
         v = raw.value
         new: Any = None
         step: tuple[str, int | None, str, Any] | None = None
@@ -565,6 +607,7 @@ def plan_fix(cc: CompiledContract, b: _Bound, raw: RawViolation) -> list[Repair]
         if new is None:
             return out
         b.set(name, raw.index, new)
+        done.add((name, raw.index, raw.rule.kind))
         try:
             nxt = cc.check(*b.args, **b.kwargs)
         except TypeError:
@@ -572,7 +615,24 @@ def plan_fix(cc: CompiledContract, b: _Bound, raw: RawViolation) -> list[Repair]
         if nxt is None:
             return out
         raw = nxt
-    raise RuntimeError(f"opcontracts: could not repair the call of {cc.contract.op}")  # pragma: no cover
+    return None
+
+
+def _flip(cc: CompiledContract, raw: RawViolation, partner: Any,
+          ) -> tuple[RawViolation, Any] | None:
+    """A ``same_dtype`` violation read the other way: the partner (a plain tensor argument)
+    must have the argument's dtype.  None when it cannot be (a list element, not floats)."""
+    rule, v = raw.rule, raw.value
+    if raw.index is not None or rule.partner is None or rule.arg is None \
+            or not isinstance(partner, torch.Tensor) or not isinstance(v, torch.Tensor) \
+            or not (partner.is_floating_point() and v.is_floating_point()):
+        return None
+    spec = cc.contract.args.get(rule.partner)
+    if spec is None:
+        return None
+    flipped = Rule(rule.op, rule.partner, "same_dtype", f"the dtype of {rule.arg}",
+                   rule.source, spec, rule.arg, None, rule.layer)
+    return RawViolation(flipped, partner, raw.bindings), v
 
 
 def fixed_message(cc: CompiledContract, r: Repair, exc: ContractViolation) -> str:
@@ -591,7 +651,7 @@ def _fix_and_call(raw: RawViolation, cc: CompiledContract, fn: Callable[..., Any
         for r in repairs:
             exc = violation_from_raw(r.raw, site, r.partner)
             _record_and_message(exc, site, _modes.FIX, False)
-        why = why_not_fixed(repairs[-1].raw, repairs[-1].partner)
+        why = repairs[-1].why or why_not_fixed(repairs[-1].raw, repairs[-1].partner)
         if why:
             exc.fix = f"{exc.fix or 'repair it in the calling code'} (fix mode did not cast: {why})"
             exc.args = (exc._message(),)

@@ -53,6 +53,10 @@ class Dim:
     py: str = ""
     # for ``k*X`` / ``X*k`` with X unbound: (X, k) so X can be solved as size // k
     solve: tuple[str, int] | None = None
+    # for expr: the divisors of its ``//`` (Python expressions over the names, innermost
+    # first): where one is 0 (``N//G`` for an empty tensor's G) the dimension has no value
+    # and nothing is checked against it
+    divisors: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -71,12 +75,16 @@ class ShapeSpec:
 _ALLOWED_BINOPS = {ast.Mult: "*", ast.Add: "+", ast.Sub: "-", ast.FloorDiv: "//"}
 
 
-def _check_expr(node: ast.AST, text: str, names: list[str]) -> str:
+def _check_expr(node: ast.AST, text: str, names: list[str],
+                divisors: list[str] | None = None) -> str:
     if isinstance(node, ast.BinOp) and type(node.op) in _ALLOWED_BINOPS:
-        left = _check_expr(node.left, text, names)
-        right = _check_expr(node.right, text, names)
+        left = _check_expr(node.left, text, names, divisors)
+        right = _check_expr(node.right, text, names, divisors)
         if isinstance(node.op, ast.FloorDiv) and _constant(node.right) == 0:
             raise ValueError(f"dimension {text!r} divides by zero")
+        if isinstance(node.op, ast.FloorDiv) and divisors is not None \
+                and _constant(node.right) is None:
+            divisors.append(right)
         if isinstance(node.op, ast.Mult) and 0 in (_constant(node.left), _constant(node.right)):
             raise ValueError(f"dimension {text!r} multiplies by zero: it is always 0 and "
                              "says nothing about the names in it (write 0)")
@@ -135,7 +143,8 @@ def _parse_dim(tok: str) -> Dim:
     except (SyntaxError, ValueError, MemoryError, RecursionError):
         raise ValueError(f"cannot parse dimension {tok!r}") from None
     names: list[str] = []
-    py = _check_expr(node, tok, names)
+    divisors: list[str] = []
+    py = _check_expr(node, tok, names, divisors)
     if not names:  # constant expression such as 2*64
         value = _constant(node)
         if value is None or value < 0:
@@ -152,7 +161,7 @@ def _parse_dim(tok: str) -> Dim:
             solve = (b.id, int(a.value))  # type: ignore[call-overload,arg-type]
         elif isinstance(b, ast.Constant) and isinstance(a, ast.Name):
             solve = (a.id, int(b.value))  # type: ignore[call-overload,arg-type]
-    return Dim("expr", tok, names=tuple(names), py=py, solve=solve)
+    return Dim("expr", tok, names=tuple(names), py=py, solve=solve, divisors=tuple(divisors))
 
 
 def parse_shape(text: str) -> ShapeSpec:
@@ -177,11 +186,15 @@ def parse_shape(text: str) -> ShapeSpec:
 
 
 def eval_dim(dim: Dim, bindings: dict[str, int]) -> int | None:
-    """Value of ``dim`` under ``bindings``, or ``None`` when a name is unbound."""
+    """Value of ``dim`` under ``bindings``, or ``None`` when a name is unbound or the
+    expression divides by a size that is 0."""
     if dim.kind == "int":
         return dim.value
     if dim.kind in ("name", "expr"):
         if any(n not in bindings for n in dim.names):
             return None
-        return int(eval(dim.py or dim.text, {"__builtins__": {}}, dict(bindings)))  # noqa: S307
+        try:
+            return int(eval(dim.py or dim.text, {"__builtins__": {}}, dict(bindings)))  # noqa: S307
+        except ZeroDivisionError:
+            return None
     return None

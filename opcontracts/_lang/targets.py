@@ -27,6 +27,7 @@ raises ``SettingError`` naming the variable, or the file and the field.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import sys
 import threading
@@ -48,6 +49,8 @@ __all__ = ["VAR", "Target", "set_targets", "declared", "stacks", "judged", "find
 
 VAR = "OPCONTRACTS_TARGETS"
 _KEYS = (*FIELDS, "name")
+PYPROJECT_KEYS = ("targets",)
+"""the keys a ``[tool.opcontracts]`` table may hold (another is a typo: a ``SettingError``)"""
 
 
 @dataclass(frozen=True)
@@ -74,20 +77,34 @@ class Target:
         return f"target {self.name!r} ({what})" if self.name else f"target ({what})"
 
 
+def _string_targets(text: str, where: str) -> list[Target]:
+    """The targets of one ``cann=8.0.RC3,soc=...`` string.  A field given several values
+    (``cann=8.0.RC3,cann=9.1.0``) means one stack per value, each with the other fields;
+    several fields so given, every combination.  A target has one ``name``."""
+    table: dict[str, list[str]] = {}
+    for part in text.split(","):
+        if not part.strip():
+            continue
+        key, sep, value = part.partition("=")
+        if not sep:
+            raise SettingError(f"{where}: {part.strip()!r} is not name=value (try "
+                               "'cann=8.0.RC3,soc=Ascend910B3')")
+        values = table.setdefault(key.strip(), [])
+        if value.strip() not in values:
+            values.append(value.strip())
+    if len(table.get("name", ())) > 1:
+        raise SettingError(f"{where}: field name given {len(table['name'])} values "
+                           f"({', '.join(table['name'])}); a target has one name (separate "
+                           "targets with ';': 'cann=8.0.RC3,name=a2; cann=9.1.0,name=a5')")
+    combos: list[dict[str, str]] = [{}]
+    for key, values in table.items():
+        combos = [{**c, key: v} for c in combos for v in values]
+    return [_target(c, where) for c in combos]
+
+
 def _target(data: Any, where: str) -> Target:
-    """A target from a table (``{cann = "8.0.RC3"}``) or a ``cann=8.0.RC3,soc=...`` string;
-    ``where`` names the place for errors (``$OPCONTRACTS_TARGETS``, ``file: tool...[1]``)."""
-    if isinstance(data, str):
-        table: dict[str, Any] = {}
-        for part in data.split(","):
-            if not part.strip():
-                continue
-            key, sep, value = part.partition("=")
-            if not sep:
-                raise SettingError(f"{where}: {part.strip()!r} is not name=value (try "
-                                   "'cann=8.0.RC3,soc=Ascend910B3')")
-            table[key.strip()] = value.strip()
-        data = table
+    """A target from a table (``{cann = "8.0.RC3"}``); ``where`` names the place for errors
+    (``$OPCONTRACTS_TARGETS``, ``file: tool...[1]``)."""
     if not isinstance(data, Mapping):
         raise SettingError(f"{where}: a target is a table such as {{cann = \"8.0.RC3\"}}, got "
                            f"{type(data).__name__} {data!r}")
@@ -119,10 +136,11 @@ def parse_targets_text(text: str, where: str = VAR) -> tuple[Target, ...]:
         return ()
     parts = [p for p in text.split(";") if p.strip()]
     many = len(parts) > 1
-    out = []
+    out: list[Target] = []
     for i, part in enumerate(parts):
         at = f"{where} (target {i + 1} of {len(parts)})" if many else where
-        out.append(dataclasses.replace(_target(part, at), origin=f"${where}" if where == VAR else where))
+        out.extend(dataclasses.replace(t, origin=f"${where}" if where == VAR else where)
+                   for t in _string_targets(part, at))
     return tuple(out)
 
 
@@ -135,11 +153,17 @@ def find_pyproject(start: Path | None = None) -> Path | None:
         try:
             if not f.is_file():
                 continue
-            text = f.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
+            raw = f.read_bytes()
+        except OSError:
             continue
-        if "opcontracts" not in text:  # not ours: keep looking (cheap test before parsing)
+        if b"opcontracts" not in raw:  # not ours: keep looking (cheap test before parsing)
             continue
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise SettingError(f"{f}: not UTF-8 (byte {exc.start}: {exc.reason}), which TOML "
+                               "requires; opcontracts reads its [tool.opcontracts] table "
+                               "(save the file as UTF-8)") from None
         try:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
@@ -156,6 +180,12 @@ def _from_pyproject(path: Path) -> tuple[Target, ...]:
     where = f"{path}, [tool.opcontracts]"
     if not isinstance(table, Mapping):
         raise SettingError(f"{where}: expected a table, got {type(table).__name__}")
+    for key in table:
+        if key not in PYPROJECT_KEYS:
+            near = difflib.get_close_matches(str(key), PYPROJECT_KEYS, n=1, cutoff=0.5)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            raise SettingError(f"{where}: unknown key {key!r} ({hint}the table holds "
+                               f"{', '.join(PYPROJECT_KEYS)}; docs/targets.md)")
     items = table.get("targets")
     if items is None:
         return ()

@@ -182,7 +182,28 @@ def loads(blob: bytes, origin: str = "<bytes>") -> dict[str, Any]:
     for key in ("versions", "schema", "docs", "meta", "bindings", "funcs", "entries"):
         if key not in data:
             raise DigestError(f"{origin}: field {key!r} missing")
+    _check_versions(data["versions"], origin)
     return data
+
+
+def _check_versions(versions: Any, origin: str) -> None:
+    """``DigestError`` naming the file and the field when ``versions`` is not a table of
+    releases by version (everything reading a digest orders them by version)."""
+    from packaging.version import InvalidVersion, Version
+
+    if not isinstance(versions, dict):
+        raise DigestError(f"{origin}: field 'versions': expected a table of releases by version, "
+                          f"got {type(versions).__name__}")
+    for name, rec in versions.items():
+        try:
+            Version(name)
+        except InvalidVersion:
+            raise DigestError(f"{origin}: field 'versions': release {name!r} is not a version "
+                              "(such as '2.7.1.post11'; regenerate the digest with `opcontracts "
+                              "wheel digest`)") from None
+        if not isinstance(rec, dict):
+            raise DigestError(f"{origin}: field 'versions.{name}': expected a table, got "
+                              f"{type(rec).__name__}")
 
 
 # --------------------------------------------------------------------------- read
