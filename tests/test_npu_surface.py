@@ -341,3 +341,22 @@ def test_run_prints_one_line_for_an_import_the_emulation_lacks(tmp_path: Path) -
     assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
     assert f"{script}:3: import torch_npu.some.unknown.module" in lines[0]
     assert "does not emulate torch_npu.some" in lines[0] and "emulated-device.md" in lines[0]
+
+
+def test_a_cuda_script_runs_with_transfer_to_npu_in_a_fresh_process(tmp_path: Path) -> None:
+    script = tmp_path / "cuda_train.py"
+    script.write_text(textwrap.dedent("""\
+        import torch
+        import torch_npu
+        from torch_npu.contrib import transfer_to_npu
+        model = torch.nn.Linear(4, 2).cuda()
+        x = torch.randn(3, 4, device="cuda")
+        model(x).sum().backward()
+        torch.cuda.synchronize()
+        print(x.device, model.weight.grad.device)
+        """))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
+    p = subprocess.run([sys.executable, "-m", "opcontracts", "run", "--emulate", "-q", str(script)],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "npu:0 npu:0"

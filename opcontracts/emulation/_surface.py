@@ -13,8 +13,10 @@ Modules (each built from what the real one does; ``_testing``, ``_transfer``, ``
 * ``torchair`` with ``get_npu_backend`` / ``get_compiler`` (``torch.compile`` backends that
   run the captured graph eagerly on the emulated device), ``CompilerConfig``
   (``torchair.configs.compiler_config``), ``use_internal_format_weight``, ``logger``;
-* ``mindspeed.megatron_adaptor``: imports ``torch_npu.contrib.transfer_to_npu`` as MindSpeed's
-  does; MindSpeed's patches to Megatron are not applied (``exe_adaptation`` does nothing).
+* ``mindspeed.megatron_adaptor``: imports ``torch_npu.contrib.transfer_to_npu`` and (when it
+  is importable) ``megatron.training`` as MindSpeed's does; MindSpeed's patches to Megatron
+  are not applied (``exe_adaptation`` does nothing): a Megatron module MindSpeed would route to
+  a fused op runs Megatron's own code.
 
 ``torch_npu.<dtype>`` (``hifloat8``, ``float8_e8m0fnu``, ``float4_e2m1fn_x2``, ``int4``, ...,
 and the standard names) are integers as in torch_npu: its ``DType`` enum, the aclDataType
@@ -28,6 +30,7 @@ emulated, what is, and where to read more; ``opcontracts run`` prints it as one 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import sys
 import types
@@ -228,6 +231,10 @@ def _package(module: types.ModuleType) -> None:
 
 def _megatron_adaptor(module: types.ModuleType) -> None:
     importlib.import_module("torch_npu.contrib.transfer_to_npu")  # what MindSpeed's imports first
+    if importlib.util.find_spec("megatron") is not None:
+        # MindSpeed's adaptation imports Megatron's training package before anything else of
+        # it (Megatron's legacy model imported first is a circular import without it)
+        importlib.import_module("megatron.training")
 
     def exe_adaptation():  # type: ignore[no-untyped-def]
         """MindSpeed's patches to Megatron: not applied on the emulation."""
@@ -235,8 +242,8 @@ def _megatron_adaptor(module: types.ModuleType) -> None:
 
     own(module, [exe_adaptation])
     module.__doc__ = ("opcontracts emulation of mindspeed.megatron_adaptor: imports "
-                      "torch_npu.contrib.transfer_to_npu as MindSpeed's does; MindSpeed's "
-                      "patches to Megatron are not applied.")
+                      "torch_npu.contrib.transfer_to_npu and megatron.training as MindSpeed's "
+                      "does; MindSpeed's patches to Megatron are not applied.")
 
 
 def table() -> dict[str, Callable[[types.ModuleType], None]]:

@@ -145,48 +145,59 @@ def _unscripted(obj: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def apply() -> None:
-    """Patch torch as ``torch_npu.contrib.transfer_to_npu`` does (once; needs the device)."""
+    """Patch torch as ``torch_npu.contrib.transfer_to_npu`` does (once; needs the device).
+    All or nothing: a patch that fails undoes the ones made before it."""
     with _lock:
         if _undo:
             return
-        npu = sys.modules.get("torch_npu.npu")
-        if npu is None:
-            raise RuntimeError(
-                "torch_npu.contrib.transfer_to_npu needs the emulated npu device: run the script "
-                "with `opcontracts run --emulate`, or call opcontracts.emulation.install(device=True)")
-        warnings.warn("opcontracts emulation: torch_npu.contrib.transfer_to_npu: cuda devices and "
-                      "torch.cuda.* are the emulated npu device now", ImportWarning, stacklevel=2)
-        # torch.cuda.*: the device module's public names
-        for name in dir(npu):
-            if not name.startswith("_") and name not in ("config", "matmul", "conv", "utils"):
-                _set(torch.cuda, name, getattr(npu, name))
-        _wrap(torch.cuda, CUDA_FUNCTIONS)
-        amp = getattr(npu, "amp", None)
-        if amp is not None:
-            _set(torch.cuda, "amp", amp)
-        _set(torch.cuda.device, "__init__", _rewrite(torch.cuda.device.__init__))
-        _set(torch.cuda, "CUDAGraph", npu.NPUGraph)
-        # torch.*, Tensor.*, Module.*
-        _wrap(torch, TORCH_FACTORIES)
-        _wrap(torch.Tensor, TENSOR_METHODS)
-        _wrap(torch.nn.Module, MODULE_METHODS)
-        _set(torch.Tensor, "cuda", torch.Tensor.npu)  # type: ignore[attr-defined]
-        _set(torch.Tensor, "is_cuda", torch.Tensor.is_npu)  # type: ignore[attr-defined]
-        _set(torch.nn.Module, "cuda", torch.nn.Module.npu)  # type: ignore[attr-defined]
-        _set(torch.amp.autocast_mode.autocast, "__init__",
-             _rewrite(torch.amp.autocast_mode.autocast.__init__))
-        _set(torch.utils._device.DeviceContext, "__init__",
-             _rewrite(torch.utils._device.DeviceContext.__init__))
-        _set(torch.nn.parallel.DistributedDataParallel, "__init__",
-             _rewrite(torch.nn.parallel.DistributedDataParallel.__init__))
-        # torch.distributed: nccl -> the CPU backend
-        if torch.distributed.is_available():
-            _set(torch.distributed, "init_process_group",
-                 _rewrite(_backend(torch.distributed.init_process_group)))
-            _set(torch.distributed, "is_nccl_available", lambda: True)
-        # torch.jit.script: unscripted, as transfer_to_npu leaves it
-        warnings.warn("torch.jit.script and torch.jit.script_method will be disabled by "
-                      "transfer_to_npu, which currently does not support them.", RuntimeWarning,
-                      stacklevel=2)
-        _set(torch.jit, "script", _unscripted)
-        _set(torch.jit, "script_method", _unscripted)
+        try:
+            _apply()
+        except BaseException:
+            restore()
+            raise
+
+
+def _apply() -> None:
+    import torch.utils._device  # noqa: F401 - DeviceContext (not imported by torch itself)
+
+    npu = sys.modules.get("torch_npu.npu")
+    if npu is None:
+        raise RuntimeError(
+            "torch_npu.contrib.transfer_to_npu needs the emulated npu device: run the script "
+            "with `opcontracts run --emulate`, or call opcontracts.emulation.install(device=True)")
+    warnings.warn("opcontracts emulation: torch_npu.contrib.transfer_to_npu: cuda devices and "
+                  "torch.cuda.* are the emulated npu device now", ImportWarning, stacklevel=2)
+    # torch.cuda.*: the device module's public names
+    for name in dir(npu):
+        if not name.startswith("_") and name not in ("config", "matmul", "conv", "utils"):
+            _set(torch.cuda, name, getattr(npu, name))
+    _wrap(torch.cuda, CUDA_FUNCTIONS)
+    amp = getattr(npu, "amp", None)
+    if amp is not None:
+        _set(torch.cuda, "amp", amp)
+    _set(torch.cuda.device, "__init__", _rewrite(torch.cuda.device.__init__))
+    _set(torch.cuda, "CUDAGraph", npu.NPUGraph)
+    # torch.*, Tensor.*, Module.*
+    _wrap(torch, TORCH_FACTORIES)
+    _wrap(torch.Tensor, TENSOR_METHODS)
+    _wrap(torch.nn.Module, MODULE_METHODS)
+    _set(torch.Tensor, "cuda", torch.Tensor.npu)  # type: ignore[attr-defined]
+    _set(torch.Tensor, "is_cuda", torch.Tensor.is_npu)  # type: ignore[attr-defined]
+    _set(torch.nn.Module, "cuda", torch.nn.Module.npu)  # type: ignore[attr-defined]
+    _set(torch.amp.autocast_mode.autocast, "__init__",
+         _rewrite(torch.amp.autocast_mode.autocast.__init__))
+    _set(torch.utils._device.DeviceContext, "__init__",
+         _rewrite(torch.utils._device.DeviceContext.__init__))
+    _set(torch.nn.parallel.DistributedDataParallel, "__init__",
+         _rewrite(torch.nn.parallel.DistributedDataParallel.__init__))
+    # torch.distributed: nccl -> the CPU backend
+    if torch.distributed.is_available():
+        _set(torch.distributed, "init_process_group",
+             _rewrite(_backend(torch.distributed.init_process_group)))
+        _set(torch.distributed, "is_nccl_available", lambda: True)
+    # torch.jit.script: unscripted, as transfer_to_npu leaves it
+    warnings.warn("torch.jit.script and torch.jit.script_method will be disabled by "
+                  "transfer_to_npu, which currently does not support them.", RuntimeWarning,
+                  stacklevel=2)
+    _set(torch.jit, "script", _unscripted)
+    _set(torch.jit, "script_method", _unscripted)
