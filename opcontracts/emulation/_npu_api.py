@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import collections
 import os
+import re
+import sys
 import types
 from typing import Any
 
@@ -50,26 +52,41 @@ def cann_version(module: str = "CANN") -> str:
     if module not in _CANN_MODULES:
         raise RuntimeError(f"torch_npu.npu.utils.get_cann_version: module {module!r} is not one "
                            f"of {', '.join(_CANN_MODULES)}")
-    from .._lang import versions
-
-    detected = versions.current().cann
+    versions = sys.modules.get("opcontracts._lang.versions")  # never imported from here
+    detected = versions.current().cann if versions is not None else None
     if detected:
-        return detected
+        return str(detected)
     from . import _profiles
 
     stated = getattr(_profiles.active(), "cann", None)
     return str(stated) if stated else EMULATED_CANN
 
 
+_CANN_RE = re.compile(r"^(\d+(?:\.\d+)*)(?:[.\-_]?(rc|alpha|beta)[.\-_]?(\d+))?"
+                      r"(?:[.\-_]?(alpha|beta|b)[.\-_]?(\d+))?$", re.IGNORECASE)
+_STAGE = {"alpha": 0, "beta": 1, "rc": 2, None: 3}
+
+
+def _cann_key(text: str) -> tuple[int, ...] | None:
+    """An order for CANN versions: ``8.0.RC3`` < ``8.0.0`` < ``8.1.RC1``; a build tag after a
+    release candidate (``8.0.RC2.alpha003``) sorts before it."""
+    m = _CANN_RE.match(text.strip())
+    if m is None:
+        return None
+    release = tuple(int(p) for p in m.group(1).split("."))
+    release = (release + (0, 0, 0))[:3]
+    stage = _STAGE[m.group(2).lower() if m.group(2) else None]
+    build = (0, int(m.group(5))) if m.group(4) else (1, 0)
+    return (*release, stage, int(m.group(3) or 0), *build)
+
+
 def is_gte_cann_version(version: str, module: str = "CANN") -> bool:
     """``torch_npu.npu.utils._is_gte_cann_version``: the CANN version is ``version`` or later."""
-    from .._lang import versions
-
-    current = versions.parse_version(cann_version(module))
-    wanted = versions.parse_version(version)
+    wanted = _cann_key(version)
     if wanted is None:
         raise RuntimeError(f"torch_npu.npu.utils._is_gte_cann_version: cannot read the version "
                            f"{version!r} (expected e.g. '8.0.RC3' or '8.1.0')")
+    current = _cann_key(cann_version(module))
     return current is not None and current >= wanted
 
 

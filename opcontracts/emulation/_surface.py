@@ -42,7 +42,7 @@ import torch
 from . import _npu_api, _testing, _transfer
 from ._naming import own
 
-__all__ = ["DTYPES", "PACKAGES", "NotEmulatedError", "check_known", "extend_torch_npu", "table"]
+__all__ = ["DTYPES", "NEEDS_DEVICE", "PACKAGES", "NotEmulatedError", "check_known", "extend_torch_npu", "table"]
 
 DOC = "docs/emulated-device.md"
 
@@ -260,6 +260,10 @@ def table() -> dict[str, Callable[[types.ModuleType], None]]:
         "mindspeed.megatron_adaptor": _megatron_adaptor,
     }
 
+
+NEEDS_DEVICE = ("torch_npu.npu.utils", "torch_npu.contrib.transfer_to_npu",
+                "mindspeed.megatron_adaptor")
+"""The stand-in modules that import only with the emulated device installed."""
 
 PACKAGES = ("torch_npu.testing", "torch_npu.utils", "torch_npu.contrib", "torchair",
             "torchair.configs")
