@@ -899,7 +899,13 @@ def test_mindspeed_standins_import_and_signatures(emu: types.ModuleType) -> None
         fn = getattr(importlib.import_module(module_name), fn_name)
         assert str(inspect.signature(fn)).replace("'", '"') == expected, fn_name
     assert mindspeed.__version__ == "0.8.0"
+    from opcontracts.emulation._surface import NEEDS_DEVICE
+
     for name in emulation.STANDIN_MODULES:
+        if name in NEEDS_DEVICE:  # without the device: an error that says so
+            with pytest.raises((ImportError, RuntimeError), match="npu device"):
+                importlib.import_module(name)
+            continue
         assert importlib.import_module(name).__opcontracts_emulation__ is True
     with pytest.raises(ModuleNotFoundError):  # only the modules the stand-ins emulate
         importlib.import_module("mindspeed.model")

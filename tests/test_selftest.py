@@ -40,7 +40,7 @@ def test_the_checks_run_on_the_emulation_and_leave_nothing_behind() -> None:
         assert results[name].status == _selftest.PASS, results[name]
     assert "device not initialised by it" in results["soc"].detail
     assert "on the autograd worker thread" in results["backward-mode"].detail
-    assert results["torchair"].status == _selftest.SKIP
+    assert results["torchair"].status == _selftest.PASS, results["torchair"]  # the stand-in torchair
     assert "expected bfloat16" in results["strict"].detail
 
 

@@ -310,7 +310,22 @@ def _user_traceback(exc: BaseException) -> TracebackType | None:
 
 
 def _print_exception(exc: BaseException) -> None:
+    if getattr(exc, "opcontracts_not_emulated", False):  # an import the emulation lacks
+        print(_not_emulated_line(exc), file=sys.stderr)
+        return
     traceback.print_exception(type(exc), exc, _user_traceback(exc), file=sys.stderr)
+
+
+def _not_emulated_line(exc: BaseException) -> str:
+    """One line for an import of a module the emulation does not have: where the script
+    imports it, then what is missing and what the emulation has."""
+    where = ""
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        if "importlib" not in frame.filename and not frame.filename.startswith("<frozen") \
+                and "/opcontracts/" not in frame.filename.replace("\\", "/"):
+            where = f"{frame.filename}:{frame.lineno}: {(frame.line or '').strip()}: "
+            break
+    return f"opcontracts run: {where}{exc}"
 
 
 def _execute(opts: RunOptions) -> int:

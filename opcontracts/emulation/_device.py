@@ -51,7 +51,7 @@ from typing import Any
 import torch
 from torch.library import Library
 
-from . import _autocast, _backward_engine, _cpu_gaps
+from . import _autocast, _backward_engine, _cpu_gaps, _npu_api
 
 __all__ = ["DEFAULT_SOC", "call_on_cpu", "drop_op_kernels", "install", "installed", "module",
            "register_op_kernels", "reported_soc", "reserve", "to_cpu_view", "to_npu", "uninstall"]
@@ -456,6 +456,7 @@ def _build_module() -> types.ModuleType:
     mod._lazy_init = lambda: None  # type: ignore[attr-defined]
     mod.amp = _autocast.amp_module(mod.__name__)  # type: ignore[attr-defined]
     mod.__opcontracts_emulation__ = True  # type: ignore[attr-defined]  # a stand-in (_standins.MARKER)
+    _npu_api.extend(mod)  # config, rng state, memory, streams, events, graphs (_npu_api)
     return mod
 
 

@@ -8,7 +8,7 @@ import threading
 
 from torch.library import Library
 
-from . import _device, _ops, _profiles
+from . import _device, _ops, _profiles, _transfer
 from ._jit import deregister_library, register_library, set_line
 from ._standins import MODULE_NAMES, StandinFinder, is_standin
 
@@ -184,6 +184,7 @@ def uninstall() -> None:
 def _drop() -> None:
     global _lib, _ms_lib, _finder
     with _lock:
+        _transfer.restore()  # transfer_to_npu's patches to torch, if a script imported it
         _device.uninstall()  # its kernels for the ops first, while the ops exist
         if _finder is not None:
             _finder.remove()

@@ -25,7 +25,7 @@ import torch
 
 from ..reference import _fam_gemm_comm as _gemm_ref
 from ..reference._attention import npu_ring_attention_update as _ring_reference
-from . import _jit
+from . import _jit, _surface
 from . import _standin_gmm_util as _gmm_util
 from ._naming import own as _own
 from ._ops import NAMESPACE, OP_NAMES
@@ -40,7 +40,8 @@ _MC2_PACKAGES = ("mindspeed.core.transformer", "mindspeed.core.transformer.moe",
                  "mindspeed.core.transformer.moe.moe_feature.mc2moe",
                  "mindspeed.core.tensor_parallel", "mindspeed.core.tensor_parallel.mc2_feature")
 _PACKAGES = ("torch_npu", "mindspeed", "mindspeed.ops", "mindspeed.op_builder", "mindspeed.core",
-             "mindspeed.core.fusions", "mindspeed.te", "mindspeed.te.pytorch", *_MC2_PACKAGES)
+             "mindspeed.core.fusions", "mindspeed.te", "mindspeed.te.pytorch", *_MC2_PACKAGES,
+             *_surface.PACKAGES)
 
 
 def is_standin(module: object) -> bool:
@@ -894,6 +895,7 @@ class _Builders:
         device = sys.modules.get("torch_npu.npu")  # the emulated device, when installed
         if device is not None:
             module.npu = device  # type: ignore[attr-defined]
+        _surface.extend_torch_npu(module)  # dtypes, submodules, the not-emulated line
 
     def mindspeed(self, module: types.ModuleType) -> None:
         module.__version__ = self.versions["mindspeed"]  # type: ignore[attr-defined]
@@ -988,6 +990,7 @@ class _Builders:
             "mindspeed.te": self.package,
             "mindspeed.te.pytorch": self.package,
             "mindspeed.te.pytorch.permutation": self.te_permutation,
+            **_surface.table(),  # torch_npu.testing, transfer_to_npu, torchair, ...
         }
 
 
@@ -1021,6 +1024,7 @@ class StandinFinder(importlib.abc.MetaPathFinder):
         target: types.ModuleType | None = None,
     ) -> importlib.machinery.ModuleSpec | None:
         if fullname not in MODULE_NAMES:
+            _surface.check_known(fullname)  # below a stand-in root: one clear error
             return None
         spec = importlib.machinery.ModuleSpec(
             fullname, self._loader, origin=__file__, is_package=fullname in _PACKAGES
