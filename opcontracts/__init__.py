@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from ._lang.targets import set_targets
     from ._lang.values import set_value_checks, value_checks_enabled
     from ._lang.versions import set_versions
+    from ._tools.preflight import preflight
     from .decorator import check, enforce
     from .spec import Arg, Contract, ValueRule, When, load_contracts
 
@@ -39,7 +40,7 @@ _LAZY = {
     "set_versions": "_lang.versions", "set_targets": "_lang.targets",
     "check": "decorator", "enforce": "decorator",
     "Arg": "spec", "Contract": "spec", "ValueRule": "spec", "When": "spec",
-    "load_contracts": "spec", "use": "_attach.use",
+    "load_contracts": "spec", "use": "_attach.use", "preflight": "_tools.preflight",
 }
 
 
@@ -106,6 +107,7 @@ __all__ = [
     "get_mode",
     "load_contracts",
     "mode",
+    "preflight",
     "register",
     "report",
     "reset_report",

@@ -223,12 +223,15 @@ def _cmd_list(ns: argparse.Namespace) -> int:
                       for op, lst in by_op.items()}
     if ns.json:
         write_json(ns.json, _list_json(ns, env, verdicts_by_op, len(contracts)))
-        if to_stdout(ns.json):
-            return 0 if by_op or not ns.pattern else 1
     if not by_op and ns.pattern:
-        print(f"opcontracts list: no op matches {ns.pattern!r} ({len(contracts)} contract(s) "
-              "loaded; `opcontracts list` shows them all)", file=sys.stderr)
+        near = registry.near_names(ns.pattern, {c.op for c in contracts})
+        print(f"opcontracts list: no op matches {ns.pattern!r}"
+              + (f"; near matches: {', '.join(near)}" if near else "")
+              + f" ({len(contracts)} contract(s) loaded; `opcontracts list` shows them all)",
+              file=sys.stderr)
         return 1
+    if to_stdout(ns.json):
+        return 0
     print(f"environment: {_env_line(env)}")
     targets, origin = declared
     for t in targets:
@@ -493,7 +496,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "per op); with --coverage: also list the undocumented ops")
     pl.set_defaults(func=_cmd_list)
     pe = sub.add_parser("env", help="show detected torch_npu / CANN / MindSpeed versions, the "
-                        "mode and the extra contract files")
+                        "mode and the extra contract files",
+                        description="The versions that decide which contracts apply (torch_npu, "
+                        "CANN, MindSpeed, the SoC) and where each was found, so a wrong guess is "
+                        "visible; the mode, the declared targets, the OPCONTRACTS_* settings and "
+                        "the extra contract files. Exit status 2 when a setting is invalid.")
     add_json_option(pe, "the same")
     pe.set_defaults(func=_cmd_env)
     pd = sub.add_parser("demo", help="reproduce the first-step NaN of the incident, catch it, "
@@ -513,7 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--fsdp", type=int, choices=(1, 2),
                     help="with --ranks: FSDP1 (FullyShardedDataParallel, flat parameters; the "
                     "default) or FSDP2 (fully_shard, DTensor parameters)")
-    pd.set_defaults(func=_cmd_demo)
+    pd.set_defaults(func=_cmd_demo, settings=True)
     # everything after `run` belongs to opcontracts run's own parser (then to the script):
     # no prefix characters, so argparse hands every word over untouched
     prun = sub.add_parser("run", help="run a script (or -m module) with opcontracts.patch "
@@ -546,6 +553,9 @@ def build_parser() -> argparse.ArgumentParser:
     from ._tools.scan import add_parser as _add_scan_parser  # imports nothing until run
 
     _add_scan_parser(sub)
+    from ._tools.preflight_cli import add_parser as _add_preflight_parser  # nothing until run
+
+    _add_preflight_parser(sub)
     return p
 
 
@@ -560,6 +570,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if hasattr(ns, "pattern"):
                 settle(ns, "pattern")
             check_writable(ns.json, "--json")  # before the work, not after it
+        if getattr(ns, "settings", False):  # a bad setting is said before any output
+            _check_settings()
         return int(ns.func(ns))
     except OpContractsError as exc:  # a bad file or setting: its message names it
         print(f"opcontracts {ns.command}: {exc}", file=sys.stderr)
@@ -571,6 +583,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"opcontracts {ns.command}: {where}{exc.strerror or exc}", file=sys.stderr)
         return 2
 
+
+
+def _check_settings() -> None:
+    """``SettingError`` now when ``OPCONTRACTS_MODE`` (or another setting that decides what is
+    checked) or the declared targets cannot be used: for a command that prints before it
+    guards its first call (``demo``)."""
+    from ._lang import modes, targets
+
+    modes.check_setting()
+    targets.check()
 
 
 def _reader_left() -> int:

@@ -63,8 +63,10 @@ from ._observers.deferred import Pending, StepBoundary
 from ._observers.findings import Findings, later_lines, react
 from ._observers.judge import SOURCE, Thresholds, Verdict, measure
 from ._observers.layer import Call, Direction, Observer
+from ._observers.sections import merge_sections, merged_lines  # across ranks: torch-free
 
-__all__ = ["CompareResult", "Divergence", "DivergenceError", "ShadowCompare", "SOURCE"]
+__all__ = ["CompareResult", "Divergence", "DivergenceError", "ShadowCompare", "SOURCE",
+           "merge_sections", "merged_lines"]
 
 OnDivergence = Literal["record", "warn", "raise"]
 _ON = ("record", "warn", "raise")
@@ -607,48 +609,4 @@ class ShadowCompare(Observer):
                             module_type, backward_of, ref_dtype, self._seq)
             first = self._found.add(ev)
         if first:
-            react(self.on_divergence, ev.message(), lambda: DivergenceError(ev), stacklevel=7)
-
-
-# --------------------------------------------------------------------------- across ranks
-_COUNTS = ("checked", "grads_checked", "skipped", "unsampled", "errors", "warnings", "dropped",
-           "repaired", "grads_skipped")
-
-
-def merge_sections(parts: list[tuple[int | None, dict[str, Any]]]) -> dict[str, Any]:
-    """Several ranks' ``shadow_compare`` report sections (``CompareResult.to_dict``) as one:
-    counts summed, each rank's first divergence under ``per_rank``, ``first`` the first of the
-    lowest rank that found one.  For ``opcontracts run`` under torchrun and ``report merge``."""
-    out: dict[str, Any] = dict.fromkeys(_COUNTS, 0)
-    out.update(skipped_ops={}, checked_ops={}, per_rank={}, first=None, ranks=[])
-    for rank, d in sorted(parts, key=lambda p: (p[0] is None, p[0] or 0)):
-        for k in _COUNTS:
-            out[k] += int(d.get(k, 0) or 0)
-        for key in ("skipped_ops", "checked_ops"):
-            for op, n in dict(d.get(key) or {}).items():
-                out[key][op] = out[key].get(op, 0) + int(n)
-        if rank is not None:
-            out["ranks"].append(rank)
-        first = d.get("first")
-        if first:
-            out["per_rank"][str(rank)] = first
-            if out["first"] is None:
-                out["first"] = {**first, "rank": rank}
-    return out
-
-
-def merged_lines(merged: dict[str, Any]) -> list[str]:
-    """The merged section in words: the counts, and each rank's first divergence."""
-    ranks = ",".join(map(str, merged.get("ranks", []))) or "?"
-    head = (f"shadow compare on rank(s) {ranks}: {merged['checked']} call(s) compared "
-            f"({merged['grads_checked']} with gradients), {merged['skipped']} without a "
-            "reference")
-    per = merged.get("per_rank") or {}
-    if not per:
-        return [head + "; no divergence on any rank"]
-    lines = [head + "; first divergence per rank:"]
-    for r, e in sorted(per.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else -1):
-        where = e.get("module") or e.get("module_type") or "?"
-        lines.append(f"  rank {r}: {e['direction']}, {e['op']}, {e['argument']} [{where}] at "
-                     f"{e.get('call_site') or '?'}: {e.get('reason', '')}")
-    return lines
+            react(self.on_divergence, ev.message(), lambda: DivergenceError(ev))

@@ -106,17 +106,26 @@ def enforce(target: Any = None) -> Any:
     return deco
 
 
+def _release_params(contract: Contract) -> list[Any] | None:
+    from ._lang import versions
+    from .wheel.release_params import params_for
+
+    return params_for(tuple(contract.targets), versions.current().torch_npu)
+
+
 def _lookup(op: str) -> Contract:
     return registry.get_contract(op)  # loads the shipped packs on a miss
 
 
 def check(op: str | Contract, /, *args: Any, **kwargs: Any) -> None:
     """Check a call of ``op`` without making it; raises ``ContractViolation`` if it would
-    violate the contract, whatever the mode."""
+    violate the contract, whatever the mode.  A torch_npu op's call is bound as its guard
+    binds it, to the op's schema in the torch_npu release detected or pinned (the wheel
+    digest's), so an argument left out is judged at the schema's default."""
     __tracebackhide__ = True
     contract = _lookup(op) if isinstance(op, str) else op
     try:
-        check_call(compiled_for(contract), args, kwargs)
+        check_call(compiled_for(contract, _release_params(contract)), args, kwargs)
     except ContractViolation as exc:  # the traceback ends here, at the user's check() call
         raise exc.with_traceback(None)  # noqa: B904 - the checked call broke the contract
 

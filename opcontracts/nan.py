@@ -7,7 +7,8 @@ finite and whose results were not:
 
 * forward: an output of the op is non-finite while every tensor argument was finite;
 * backward: a gradient the op sends to one of its inputs is non-finite while the gradients
-  flowing into its outputs were finite; a guarded op *called* during backward (a ``*_grad``
+  flowing into its outputs were finite and its forward inputs were finite (an op handed a NaN
+  in forward computes its backward from it: the NaN was received, not made); a guarded op *called* during backward (a ``*_grad``
   kernel) is checked like a forward call and reported as ``backward``, with the forward op
   whose backward was running.
 
@@ -74,7 +75,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal
 
@@ -86,7 +87,7 @@ from ._observers import layer
 from ._observers.deferred import Pending, Slots, StepBoundary
 from ._observers.findings import Findings, later_lines, react
 from ._observers.layer import Call, Direction, Observer
-from ._observers.modpath import clean as clean_module_path
+from ._observers.sections import NanEvent
 
 __all__ = [
     "NanEvent",
@@ -103,92 +104,6 @@ _ON_NAN = ("record", "warn", "raise")
 
 
 # --------------------------------------------------------------------------- results
-@dataclass(frozen=True)
-class NanEvent:
-    """One op that produced non-finite values from finite ones."""
-
-    op: str
-    direction: Direction
-    kind: Literal["output", "input_grad", "received"]  # what was non-finite (see ``what``)
-    arg: str                       # "output", "output[1]", or the argument's name
-    dtype: str
-    shape: tuple[int, ...]
-    nan: int                       # -1: not counted (``counted``)
-    inf: int
-    call_site: str | None          # the user's line that called the (forward) op
-    module: str | None             # qualified nn.Module path ("" for the root module)
-    module_type: str | None        # its class name
-    backward_of: str | None = None  # for an op called during backward: the forward op
-    seq: int = 0                   # order among the sentinel's checks
-
-    @property
-    def module_label(self) -> str:
-        """``layers.2.mlp (MoELayer)``, or ``MoE (the root module)``."""
-        if not self.module:
-            return f"{self.module_type or '?'} (the root module)"
-        return self.module + (f" ({self.module_type})" if self.module_type else "")
-
-    @property
-    def module_clean(self) -> str | None:
-        """The module path without wrapper segments (``_observers.modpath.clean``): under FSDP1,
-        ``_fsdp_wrapped_module.layers.2._fsdp_wrapped_module.mlp`` is ``layers.2.mlp``."""
-        return clean_module_path(self.module)
-
-    @property
-    def what(self) -> str:
-        if self.kind == "input_grad":
-            return f"gradient of '{self.arg}'"
-        return self.arg
-
-    @property
-    def counted(self) -> bool:
-        """Whether ``nan`` and ``inf`` were counted (-1 each when not: an always-on sentinel
-        keeps no tensor until its read, so only the finiteness of the value is known)."""
-        return self.nan >= 0 and self.inf >= 0
-
-    def counted_text(self, numel: int) -> str:
-        if not self.counted:
-            return f"non-finite (NaN and inf not counted: always-on) of {numel}"
-        return f"{self.nan} NaN, {self.inf} inf of {numel}"
-
-    def message(self) -> str:
-        op = self.op + (f" (in the backward of {self.backward_of})" if self.backward_of else "")
-        numel = 1
-        for s in self.shape:
-            numel *= s
-        shape = "(" + ", ".join(map(str, self.shape)) + ("," if len(self.shape) == 1 else "") + ")"
-        if self.kind == "received":
-            head = f"non-finite {'gradient' if self.direction == 'backward' else 'input'} " \
-                   f"reached {op} ({self.direction}): produced by an op the sentinel does not watch"
-        else:
-            head = f"first non-finite value: {self.direction}, in {op}"
-        if self.kind == "input_grad":
-            tail = "; the gradients flowing in were finite"
-        elif self.kind == "output":
-            tail = "; every input was finite"
-        else:
-            tail = ""
-        lines = [
-            head,
-            f"  value:     {self.what}: {self.dtype} {shape}, {self.counted_text(numel)}{tail}",
-            f"  call site: {self.call_site or '?'}",
-        ]
-        if self.module is not None:
-            lines.append(f"  module:    {self.module_label}")
-            if self.module_clean != self.module:
-                lines.append(f"  unwrapped: {self.module_clean} (wrapper segments removed)")
-        return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.message()
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["shape"] = list(self.shape)
-        d["module_clean"] = self.module_clean
-        return d
-
-
 @dataclass
 class NanResult:
     """What the sentinel found: the first culprit, every culprit seen (bounded), and the first
@@ -462,7 +377,9 @@ class NanSentinel(Observer):
             found.append((call.op, "backward", "received", key, t, dtype, shape, call.site,
                           call.where))
         else:
-            if st.incoming_bad or st.grad_done:
+            # handed a non-finite input in forward (its saved tensors hold it) or a non-finite
+            # gradient in backward: the gradients it sends are not this op's doing
+            if st.bad_input or st.incoming_bad or st.grad_done:
                 return
             st.grad_done = True
             found.append((call.op, "backward", "input_grad", layer.arg_name(call.fn, key), t,
@@ -488,7 +405,7 @@ class NanSentinel(Observer):
                 return
             first = self._found.add(ev)
         if first:
-            react(self.on_nan, ev.message(), lambda: NonFiniteError(ev), stacklevel=6)
+            react(self.on_nan, ev.message(), lambda: NonFiniteError(ev))
 
     # ----------------------------------------------------------------- the observed call
     def _checks(self, st: _State, *groups: tuple[int, Iterable[tuple[Any, Any]]]) -> None:

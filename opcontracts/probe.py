@@ -43,6 +43,7 @@ from typing import Any, Literal
 import torch
 
 from . import reference
+from ._jsonout import replace_text
 from ._observers import layer
 from ._observers.contract_out import dumps_contracts, stack, stack_text, utc_now
 from ._observers.judge import judge
@@ -228,7 +229,7 @@ class ProbeReport:
         if none:
             header.append(f"No dtype of the grid gave correct results for: {', '.join(none)} "
                           "(no rule written).")
-        p.write_text(dumps_contracts([self.contract()], header), encoding="utf-8")
+        replace_text(p, dumps_contracts([self.contract()], header))
         return p
 
 
@@ -306,7 +307,7 @@ class _Runner:
         from .errors import ContractViolation
 
         try:
-            check_call(self.cc, args, kwargs)
+            check_call(self.cc, args, kwargs, warn=False)  # probe's own call: no warning
         except ContractViolation as exc:
             return "forbidden", f"{exc.arg}: {exc.rule}"
         return "allowed", None

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import inspect
 import threading
-import warnings
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +37,8 @@ from typing import Any
 
 import torch
 
+from ._engine.callsite import warn_at_caller
+from ._jsonout import replace_text
 from ._observers import layer
 from ._observers.contract_out import dumps_contracts, stack_text, utc_now
 from ._observers.layer import Call, Observer
@@ -162,10 +163,10 @@ class Recorder(Observer):
         what = "recorded anyway (--record-violations)" if self.record_violations \
             else "left out of the golden run (--record-violations keeps it)"
         site = call.site
-        warnings.warn(f"opcontracts.record: a call of {call.op} breaks its contract "
+        warn_at_caller(f"opcontracts.record: a call of {call.op} breaks its contract "
                       f"({rule.arg or '-'}: {rule.kind}, expected {rule.expected}) at "
                       f"{site if site is not None else '?'}: {what}",
-                      RuntimeWarning, stacklevel=2)
+                      RuntimeWarning)
         return True
 
     def begin(self, call: Call) -> Any:
@@ -310,5 +311,5 @@ class Recorder(Observer):
                            if self.record_violations else
                            "Calls that broke a contract were left out: ")
                           + ", ".join(f"{op} ({n})" for op, n in sorted(left.items())) + ".")
-        p.write_text(dumps_contracts(self.contracts(script=script, origin=origin), header), encoding="utf-8")
+        replace_text(p, dumps_contracts(self.contracts(script=script, origin=origin), header))
         return p

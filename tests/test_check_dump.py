@@ -398,7 +398,8 @@ def test_a_version_flag_that_is_not_one_is_a_usage_error(capsys: Any, flag: str,
 
 
 def test_entries_without_inputs_are_not_judged(capsys: Any, tmp_path: Path) -> None:
-    """msprobe's ``data_mode = ["output"]`` records outputs only: no input is no violation."""
+    """msprobe's ``data_mode = ["output"]`` records outputs only: no input is no violation,
+    and no clean bill either (exit status 3: nothing could be judged)."""
     rank = tmp_path / "rank0"
     shutil.copytree(WRONG / "step0" / "rank0", rank)
     data = json.loads((rank / "dump.json").read_text())
@@ -407,8 +408,10 @@ def test_entries_without_inputs_are_not_judged(capsys: Any, tmp_path: Path) -> N
         entry.pop("input_kwargs", None)
     (rank / "dump.json").write_text(json.dumps(data))
     code, out, _ = run(capsys, rank)
-    assert code == 0 and "nothing was checked" in out
-    assert "not judged: 3 API(s)" in out and "inputs not recorded" in out
+    assert code == 3 and "nothing could be judged" in out and "no contract violations" not in out
+    assert "not judged: 3 call(s) of 3 op(s)" in out
+    assert "npu_rms_norm: the whole call: inputs not recorded (msprobe's data_mode): 1 call(s)" \
+        in out
 
 
 MSPROBE_PYTHON = "OPCONTRACTS_MSPROBE_PYTHON"

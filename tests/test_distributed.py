@@ -176,7 +176,7 @@ def test_report_merge_names_rank1_alone(two_rank_job: Path, capsys: pytest.Captu
                                         tmp_path: Path) -> None:
     files = [str(two_rank_job / "report.rank0.json"), str(two_rank_job / "report.rank1.json")]
     merged_json = tmp_path / "merged.json"
-    assert cli.main(["report", "merge", *files, "--json", str(merged_json)]) == 0
+    assert cli.main(["report", "merge", *files, "--json", str(merged_json)]) == 1  # violations
     out = capsys.readouterr().out
     assert "merged 2 report file(s) from rank(s) 0,1" in out
     assert (f"npu_moe_token_unpermute: probs dtype at {two_rank_job.parent}{os.sep}"
@@ -212,7 +212,7 @@ def test_report_merge_names_rank1_alone(two_rank_job: Path, capsys: pytest.Captu
     # the console script, on the folder: the gathered.json next to the rank files is not counted
     proc = subprocess.run([sys.executable, "-m", "opcontracts", "report", "merge",
                            str(two_rank_job)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 1, proc.stderr  # violations found, as check-dump says
     assert "merged 2 report file(s) from rank(s) 0,1" in proc.stdout
     assert "rank 1 only (not rank 0)" in proc.stdout
 
@@ -321,7 +321,7 @@ def test_merge_keeps_the_nan_sentinels_findings(tmp_path: Path,
              _write_nan(tmp_path / "report.rank2.json", 2, b, [b, _nan_event("op_a", 2)]),
              _write_nan(tmp_path / "report.rank3.json", 3, a, [a])]
     out_json = tmp_path / "merged.json"
-    assert cli.main(["report", "merge", *files, "--json", str(out_json)]) == 0
+    assert cli.main(["report", "merge", *files, "--json", str(out_json)]) == 1  # culprits
     out = capsys.readouterr().out
     assert "NaN sentinel (--nan-check) in 4 file(s): 200 guarded call(s) checked" in out
     assert "first culprit (rank 1):" in out
@@ -340,7 +340,7 @@ def test_merge_keeps_the_nan_sentinels_findings(tmp_path: Path,
     # with a time on the events (ranks whose clocks agree), the earliest wins
     files[2] = _write_nan(tmp_path / "report.rank2.json", 2, {**b, "time": 5.0}, [b])
     files[1] = _write_nan(tmp_path / "report.rank1.json", 1, {**a, "time": 9.0}, [a])
-    assert cli.main(["report", "merge", *files]) == 0
+    assert cli.main(["report", "merge", *files]) == 1
     assert "first culprit (rank 2):" in capsys.readouterr().out
 
 
@@ -371,7 +371,7 @@ def test_merge_flags_ranks_on_different_versions(tmp_path: Path,
 def test_merge_of_single_process_reports(tmp_path: Path,
                                          capsys: pytest.CaptureFixture[str]) -> None:
     f = _write(tmp_path / "report.json", None, [_rec("op_a", "a.py:1 in f")])
-    assert cli.main(["report", "merge", f]) == 0
+    assert cli.main(["report", "merge", f]) == 1  # a violation
     out = capsys.readouterr().out
     assert "merged 1 report file(s)\n" in out and "rank unknown" in out
 

@@ -23,7 +23,10 @@ ARCHITECTURE = ROOT / "docs" / "architecture.md"
 grimp = pytest.importorskip("grimp")  # comes with import-linter (the `test` extra)
 
 # the entry points sit above the root package (the public names of ``import opcontracts``)
-ROOT_IMPORTERS = {"opcontracts.cli", "opcontracts.pytest_plugin", "opcontracts.__main__"}
+# and the demo's model file, which is user code (run as ``moe_block.py``) and reads
+# ``opcontracts.preflight.active()`` as a user's model file does
+ROOT_IMPORTERS = {"opcontracts.cli", "opcontracts.pytest_plugin", "opcontracts.__main__",
+                  "opcontracts._tools.demo_model"}
 
 
 @pytest.fixture(scope="module")

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from types import CodeType, FrameType
 
-__all__ = ["CallSite", "SiteToken", "find_call_site", "site_token", "site_of"]
+__all__ = ["CallSite", "SiteToken", "find_call_site", "site_token", "site_of", "warn_at_caller"]
 
 # the opcontracts package (this file is opcontracts/_engine/callsite.py)
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -55,6 +56,32 @@ def find_call_site(start: FrameType | None = None) -> CallSite | None:
         return None
     return CallSite(f.f_code.co_filename, f.f_lineno, f.f_code.co_name,
                     str(f.f_globals.get("__name__", "?")))
+
+
+def warn_at_caller(message: str, category: type[Warning] = RuntimeWarning,
+                   start: FrameType | None = None) -> None:
+    """``warnings.warn`` at the user's line: the first frame outside opcontracts and torch
+    (``find_call_site``), whatever the depth of opcontracts' own frames between (a fixed
+    ``stacklevel`` points at opcontracts' lines as soon as a path is one frame longer: an
+    observer's read from ``optimizer.step()``, a backward hook, a layer wrapper).  With no
+    such frame (a backward worker thread, the command line's own calls) it is shown at
+    ``<opcontracts>``, never at a line of opcontracts or of the launcher.  Deduplicated as
+    ``warnings.warn`` does (the frame's ``__warningregistry__``)."""
+    f: FrameType | None = start if start is not None else sys._getframe(1)
+    while f is not None and (_ours(f.f_code.co_filename)
+                             or f.f_code.co_filename.startswith("<frozen importlib")):
+        f = f.f_back
+    if f is None:
+        warnings.warn_explicit(message, category, "<opcontracts>", 0, module="opcontracts",
+                               registry=_no_frame_registry)
+        return
+    g = f.f_globals
+    warnings.warn_explicit(message, category, f.f_code.co_filename, f.f_lineno,
+                           module=str(g.get("__name__", "?")),
+                           registry=g.setdefault("__warningregistry__", {}), module_globals=g)
+
+
+_no_frame_registry: dict[str | tuple[str, type[Warning], int], int] = {}
 
 
 # --------------------------------------------------------------------------- the cheap form

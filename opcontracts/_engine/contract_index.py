@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .._jsonout import replace_text
+
 __all__ = ["INDEX_NAME", "UnreadableFile", "build", "entries_from_files", "fingerprint", "load", "shipped_folder",
            "write"]
 
@@ -120,13 +122,16 @@ def load(folder: Path) -> list[dict[str, Any]] | None:
 def write(folder: Path) -> Path:
     """(Re)write ``folder``'s index; returns its path."""
     path = folder / INDEX_NAME
-    path.write_text(json.dumps(build(folder), indent=1, sort_keys=True) + "\n",
-                    encoding="utf-8")
+    replace_text(path, json.dumps(build(folder), indent=1, sort_keys=True) + "\n")
     return path
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    if args and (args[0].startswith("-") or len(args) > 1):
+        print("usage: python -m opcontracts._engine.contract_index [CONTRACTS_FOLDER]\n"
+              "(re)write the folder's index.json; default: the shipped contracts", file=sys.stderr)
+        return 0 if args[0] in ("-h", "--help") else 2
     folder = Path(args[0]) if args else shipped_folder()
     print(f"wrote {write(folder)}")
     return 0

@@ -401,8 +401,11 @@ def _raw(cc: CompiledContract, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
                         f"({', '.join(p.name for p in cc.params)}): {exc}") from None
 
 
-def check_call(cc: CompiledContract, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Raise ``ContractViolation`` if the call does not conform (mode is ignored)."""
+def check_call(cc: CompiledContract, args: tuple[Any, ...], kwargs: dict[str, Any], *,
+               warn: bool = True) -> None:
+    """Raise ``ContractViolation`` if the call does not conform (mode is ignored).  A call
+    only some readings reject (a version unknown) is not raised: it is warned about as a guard
+    does, unless ``warn`` is False (``probe``'s own trial calls, which it reports itself)."""
     __tracebackhide__ = True
     raw = _raw(cc, args, kwargs)
     if raw is None:
@@ -411,7 +414,7 @@ def check_call(cc: CompiledContract, args: tuple[Any, ...], kwargs: dict[str, An
     verdict = conditional.judge(cc, args, kwargs)  # the op's readings disagree: as a guard does
     if verdict is not None:
         if verdict.decided is None:
-            if verdict.conditional:
+            if verdict.conditional and warn:
                 conditional.warn_conditional(verdict, cc, _actual, sys._getframe(1), args, kwargs)
             return
         reading = conditional.reading_note(verdict)

@@ -46,10 +46,7 @@ class UnknownOpError(OpContractsError, LookupError):
 
 
 def near_ops(op: str, n: int = 5) -> list[str]:
-    """Op names close to ``op``: the registered ones and the shipped index's, by spelling
-    (difflib) and by containment (``unpermute`` finds ``npu_moe_token_unpermute``)."""
-    import difflib
-
+    """Op names close to ``op``: the registered ones and the shipped index's (``near_names``)."""
     with _lock:
         known = set(_by_op)
     try:
@@ -57,11 +54,36 @@ def near_ops(op: str, n: int = 5) -> list[str]:
     except OpContractsError:  # pragma: no cover - a broken install: the registered ones
         pass
     known.discard(op)
-    names = sorted(known)
-    low = op.lower()
-    close = difflib.get_close_matches(op, names, n=n, cutoff=0.6)
-    contains = [k for k in names if low and (low in k.lower() or k.lower() in low)]
-    return list(dict.fromkeys(close + sorted(contains, key=len)))[:n]
+    return near_names(op, known, n)
+
+
+def near_names(word: str, names: Iterable[str], n: int = 5, cutoff: float = 0.6) -> list[str]:
+    """The names in ``names`` nearest to ``word``, for a "near matches: ..." hint (``@enforce``,
+    ``list``, ``probe``): by spelling (difflib), against the whole name and against each of its
+    tails after a ``_`` or ``.`` (``unpremute`` finds ``npu_moe_token_unpermute``), then by
+    containment (``unpermute`` finds ``npu_moe_token_unpermute_grad``); case-insensitive."""
+    import difflib
+    import re
+
+    low = word.lower()
+    if not low:
+        return []
+    scored = []
+    for name in set(names):
+        full = name.lower()
+        parts = re.split(r"[._]", full)
+        tails = {full, *("_".join(parts[i:]) for i in range(1, len(parts)))}
+        ratio = 0.0
+        for tail in tails:
+            m = difflib.SequenceMatcher(None, low, tail)
+            if m.real_quick_ratio() >= cutoff and m.quick_ratio() >= cutoff:
+                ratio = max(ratio, m.ratio())
+        if ratio >= cutoff:
+            scored.append((-ratio, len(name), name))
+    close = [name for *_, name in sorted(scored)]
+    contains = sorted((k for k in set(names) if low in k.lower() or k.lower() in low),
+                      key=lambda k: (len(k), k))
+    return list(dict.fromkeys(close + contains))[:n]
 
 
 _lock = threading.RLock()
@@ -324,7 +346,7 @@ def get_contract(op: str) -> Contract:
 
 
 def _merge_arg(a: Arg, b: Arg) -> Arg:
-    """Both rules at once: the dtypes both accept (in ``a``'s order of preference), every rule
+    """Both rules at once: the dtypes and the values both accept (in ``a``'s order), every rule
     either sets (``a``'s wins where both set the same field), optional only if both say so.
     Disjoint dtype sets cannot both hold: the narrower one is kept so calls are still checked."""
     from ..spec import Arg
@@ -349,6 +371,10 @@ def _merge_arg(a: Arg, b: Arg) -> Arg:
         data["dtype_if_present"] = {k: v for k, v in extra.items() if v} or None
     elif b.dtype is not None:
         data["dtype_if_present"] = b.dtype_if_present
+    if a.allowed is not None and b.allowed is not None:
+        # both lists hold: the values both allow (disjoint ones: the shorter list is kept)
+        both = [v for v in a.allowed if v in b.allowed]
+        data["allowed"] = both or list(b.allowed if len(b.allowed) < len(a.allowed) else a.allowed)
     data["optional"] = a.optional and b.optional
     if a.layer != b.layer and a.layer is not None and b.layer is not None:
         # rules of two layers in one argument: each source says its layer

@@ -5,9 +5,10 @@ called outside it (it may raise into the user's call)."""
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
+
+from .._engine.callsite import warn_at_caller
 
 __all__ = ["Findings", "react", "later_lines"]
 
@@ -36,12 +37,12 @@ class Findings(Generic[E]):
         return first
 
 
-def react(policy: str, message: str, error: Callable[[], BaseException],
-          stacklevel: int) -> None:
-    """At the first finding: ``"warn"`` warns (``RuntimeWarning`` at ``stacklevel`` above the
-    caller), ``"raise"`` raises ``error()``, anything else only records."""
+def react(policy: str, message: str, error: Callable[[], BaseException]) -> None:
+    """At the first finding: ``"warn"`` warns (``RuntimeWarning`` at the user's line, however
+    the finding was reached: the call, a backward hook, a read at ``optimizer.step()``),
+    ``"raise"`` raises ``error()``, anything else only records."""
     if policy == "warn":
-        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
+        warn_at_caller(message, RuntimeWarning)
     elif policy == "raise":
         raise error()
 

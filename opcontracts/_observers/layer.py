@@ -63,7 +63,6 @@ import functools
 import inspect
 import sys
 import threading
-import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from types import ModuleType
@@ -73,7 +72,7 @@ import torch
 from torch import nn
 
 from .._attach import packets
-from .._engine.callsite import CallSite, SiteToken, site_of, site_token
+from .._engine.callsite import CallSite, SiteToken, site_of, site_token, warn_at_caller
 from .._engine.sweep import holding
 
 __all__ = [
@@ -810,9 +809,8 @@ class _Layer:
         patch = sys.modules.get("opcontracts.patch")
         if patch is None or not patch.is_applied():
             if full:
-                warnings.warn(f"{who}: opcontracts.patch is not applied, so no op is "
-                              "watched; import opcontracts.patch first", RuntimeWarning,
-                              stacklevel=5)
+                warn_at_caller(f"{who}: opcontracts.patch is not applied, so no op is "
+                               "watched; import opcontracts.patch first", RuntimeWarning)
             return
         self._hook_patcher(patch)
         guards: dict[int, tuple[Any, str]] = {}

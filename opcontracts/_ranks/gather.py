@@ -184,12 +184,12 @@ def merge_run_sections(files: Sequence[ReportFile]) -> tuple[dict[str, Any] | No
                                                               dict[str, Any] | None, list[str]]:
     """The ``checked`` statistics and the ``shadow_compare`` sections of ``opcontracts run``
     files, merged with the mechanisms ``run`` uses for its own rank-0 summary under torchrun
-    (``_observers.stats.merge_stats``, ``compare.merge_sections``), and their lines of text."""
+    (``_observers.sections``: no torch import), and their lines of text."""
     lines: list[str] = []
     checked = compared = None
     stats_parts = [(f.rank, f.checked) for f in files if f.checked]
     if stats_parts:
-        from .._observers.stats import RunStats, merge_stats
+        from .._observers.sections import RunStats, merge_stats
 
         parsed = []
         for r, d in stats_parts:
@@ -202,7 +202,7 @@ def merge_run_sections(files: Sequence[ReportFile]) -> tuple[dict[str, Any] | No
         lines += ["", *stats.lines()]
     cmp_parts = [(f.rank, f.compare) for f in files if f.compare]
     if cmp_parts:
-        from ..compare import merge_sections, merged_lines
+        from .._observers.sections import merge_sections, merged_lines
 
         try:
             compared = merge_sections(cmp_parts)
@@ -278,11 +278,10 @@ def merge_nan(files: Sequence[ReportFile]) -> dict[str, Any] | None:
 
 
 def _event_message(e: dict[str, Any]) -> str:
-    """The sentinel's own wording of an event (``NanEvent.message``); opcontracts.nan (and
-    torch with it) is imported only for a merge that has NaN findings."""
+    """The sentinel's own wording of an event (``NanEvent.message``, torch-free)."""
     import dataclasses
 
-    from ..nan import NanEvent
+    from .._observers.sections import NanEvent
 
     names = {f.name for f in dataclasses.fields(NanEvent)}
     kw: dict[str, Any] = {"call_site": None, "module": None, "module_type": None}
@@ -407,7 +406,9 @@ def format_merged(merged: Report, ranks: Sequence[int], n_files: int,
 
 def cmd_merge(ns: argparse.Namespace) -> int:
     """``opcontracts report merge FILES... [--json OUT]``: exit 2, with ``FILE: what is wrong``
-    for each bad file, when a file cannot be merged."""
+    for each bad file, when a file cannot be merged; 1 when the merged files found problems
+    (a contract violation, a NaN culprit, a divergence from the reference), as ``check-dump``
+    exits 1 on violations; 0 otherwise.  Imports no torch (two JSON files are read)."""
     paths = _expand(ns.files)
     if not paths:
         print("opcontracts report merge: no report files"
@@ -444,4 +445,6 @@ def cmd_merge(ns: argparse.Namespace) -> int:
         if compared is not None:
             data["shadow_compare"] = compared
         write_json(ns.json, data)
-    return 0
+    found = merged.total > 0 or (nan is not None and nan.get("first") is not None) \
+        or (compared is not None and compared.get("first") is not None)
+    return 1 if found else 0

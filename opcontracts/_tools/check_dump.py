@@ -17,13 +17,23 @@ Which contracts apply is decided on the stacks judged: the flags' (``--torch-npu
 checker accepts is accepted; one it rejects is judged on each reading of the op's contracts
 (``_engine.readings``): rejected on every reading of a stack, a violation; on some only,
 *conditional* (a version still unknown decides), reported with the readings that reject it and
-never counted as a violation.  Findings are merged over ranks (which ranks saw each), steps
-kept apart.
+never counted as a violation.  Unlike the guard, which raises on the first rule broken, every
+argument a call breaks is found (the rule broken taken off and the call judged again), each
+with its own verdict.  Findings are merged over ranks (which ranks saw each; a rank without a
+dump of a step said as such), steps kept apart.
+
+What cannot be judged is said, never taken for clean: an argument whose record a rule cannot
+read (``msprobe_dump.Unreadable``: no dtype, a size that is none; a value recorded in a form no
+rule reads) is counted per op, argument and why, the call's other arguments judged; a dump
+where not one call could be judged whole has ``status`` 3.  Dumps are read one entry at a
+time (``msprobe_dump``), and findings aggregated as they come: memory does not grow with the
+dump.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -41,7 +51,8 @@ from . import msprobe_dump as md
 if TYPE_CHECKING:
     from .._engine.readings import Resolution
 
-__all__ = ["Stacks", "Verdict", "Judge", "Judged", "Finding", "DumpVerdict", "environment",
+__all__ = ["Stacks", "Verdict", "Judgement", "Judge", "Judged", "Finding", "NotJudged",
+           "DumpVerdict", "environment",
            "judged_calls", "check_path", "render", "to_json"]
 
 
@@ -103,8 +114,33 @@ class Verdict(NamedTuple):
     """with several targets: the one whose every reading rejects the call"""
 
 
-class Unjudged(Exception):
-    """A recorded call the checker cannot read (a dtype torch does not have here)."""
+class Judgement(NamedTuple):
+    """The verdicts on one recorded call: one per argument (and rule) it breaks, and the
+    arguments with rules that could not be judged, with why."""
+
+    verdicts: list[Verdict]
+    unread: tuple[tuple[str, str], ...] = ()
+
+
+MEMO_SIZE = 1 << 16
+"""distinct recorded signatures whose verdicts are remembered"""
+MAX_FINDINGS_PER_CALL = 64
+"""rules relaxed, at most, to find the next argument a call breaks"""
+
+# what relaxing a rule of one argument takes off its ``Arg`` (``_relax``); "*": every rule
+_RELAX: dict[str, dict[str, Any]] = {
+    "dtype": {"dtype": None, "dtype_if_present": None, "dtype_value": False, "dtype_of": None},
+    "same_dtype": {"same_dtype_as": None, "same_dtype_except": None},
+    "shape": {"shape": None, "rank": None, "dims": None, "numel_lt": None},
+    "rank": {"shape": None, "rank": None, "dims": None, "numel_lt": None},
+    "same_shape": {"same_shape_as": None},
+    "contiguous": {"contiguous": False},
+    "value": {"values": None},
+    "allowed": {"allowed": None, "dtype": None, "dtype_value": False, "dtype_of": None},
+    "bound": {"ge": None, "le": None, "lt": None},
+    "missing": {"optional": True},
+    "list_len": {"max_len": None},
+}
 
 
 class Judge:
@@ -122,7 +158,8 @@ class Judge:
         self.stacks = stacks
         self._resolutions: dict[str, Resolution] = {}
         self._params: dict[tuple[str, str], list[Param]] = {}
-        self._verdicts: dict[tuple[Any, ...], list[Verdict]] = {}
+        self._verdicts: dict[tuple[Any, ...], Judgement] = {}
+        self._relaxations: dict[tuple[str, frozenset[tuple[str, str]]], Resolution] = {}
         self._dtypes: dict[str, Any] = {}
         self._release: Any = None
 
@@ -181,8 +218,11 @@ class Judge:
         if isinstance(v, md.TensorMeta):
             dt = self._dtype(v.dtype)
             if dt is None:
-                raise Unjudged(f"dtype {v.dtype} is not a torch dtype here")
-            return self._torch.empty(v.shape, dtype=dt, device="meta")
+                return md.Unreadable(v.type, f"dtype {v.dtype} is not a torch dtype here")
+            try:
+                return self._torch.empty(v.shape, dtype=dt, device="meta")
+            except (RuntimeError, ValueError, OverflowError) as exc:
+                return md.Unreadable(v.type, f"shape {list(v.shape)}: {exc}")
         if isinstance(v, list):
             return [self._live(x) for x in v]
         return v
@@ -192,35 +232,101 @@ class Judge:
         return (tuple(self._live(a) for a in call.args),
                 {k: self._live(v) for k, v in call.kwargs.items()})
 
-    def judge(self, op: str, call: md.ApiCall) -> list[Verdict]:
-        """The call's verdicts (none, or one).  ``Unjudged`` / ``TypeError`` (inputs that do
-        not bind to the parameters) when it cannot be judged."""
+    def judge(self, op: str, call: md.ApiCall) -> Judgement:
+        """The call's verdicts: one per argument it breaks (an offline report lists them all,
+        not only the first a guard would raise on), and the arguments with rules whose record
+        cannot be read.  ``TypeError`` when the inputs do not bind to the parameters."""
         key = (op, call.prefix, _sig(call.args), _sig(call.kwargs))
         hit = self._verdicts.get(key)
         if hit is not None:
             return hit
-        from .._engine.enforce import compiled_for, explain_call
-
+        if len(self._verdicts) >= MEMO_SIZE:  # a dump of ever-new shapes: memory stays bounded
+            self._verdicts.clear()
         res = self.resolution(op)
-        out: list[Verdict] = []
+        out = Judgement([])
         if res.strict is not None:
             params = self.params(op, call)
             args, kwargs = self.arguments(call)
-            strict = compiled_for(res.strict, params)
-            if explain_call(strict, args, kwargs) is not None:  # TypeError: does not bind
-                out = self._readings(res, params, args, kwargs)
+            out = self._all(op, res, params, args, kwargs)
         self._verdicts[key] = out
         return out
 
-    def _readings(self, res: Resolution, params: list[Param], args: tuple[Any, ...],
-                  kwargs: dict[str, Any]) -> list[Verdict]:
+    def _all(self, op: str, res: Resolution, params: list[Param], args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> Judgement:
+        """Every argument the call breaks: the first rule broken is relaxed (taken off the
+        contracts of every reading) and the call judged again, until it passes; then each
+        one's verdict is reached with the others relaxed, so that whether it is a violation
+        or conditional is its own (an fp32 ``probs`` that only some CANN versions reject
+        stays conditional beside an int64 ``sorted_indices`` that every version rejects)."""
+        relaxed: list[tuple[str, str]] = []
+        found: list[tuple[tuple[str, str], Verdict]] = []
+        unread: list[tuple[str, str]] = []
+        for _ in range(MAX_FINDINGS_PER_CALL):
+            try:
+                v = self._first(self._relaxed(op, res, relaxed), params, args, kwargs)
+            except TypeError:
+                if not relaxed:
+                    raise  # the inputs do not bind: the call cannot be judged
+                unread.append(("-", "the rest of the call could not be judged"))
+                break
+            if v is None:
+                break
+            e = v.violation
+            name = (e.arg or "").split("[", 1)[0]
+            recorded = _recorded(e.arg, params, args, kwargs)
+            item = (name, "*" if isinstance(recorded, md.Opaque) or e.rule == "type"
+                    else e.rule)
+            if not name or item in relaxed:  # a rule no argument's relaxing takes off
+                if not isinstance(recorded, md.Opaque):
+                    found.append((item, v))
+                break
+            relaxed.append(item)
+            if isinstance(recorded, md.Unreadable):
+                unread.append((name, recorded.why))
+            elif isinstance(recorded, md.Opaque):
+                unread.append((name, f"recorded as {recorded.type}, which no rule reads"))
+            else:
+                found.append((item, v))
+        verdicts = []
+        for item, v in found:
+            if len(relaxed) > 1 and item in relaxed:
+                others = [r for r in relaxed if r != item]
+                try:
+                    v = self._first(self._relaxed(op, res, others), params, args, kwargs) or v
+                except TypeError:
+                    pass
+            verdicts.append(v)
+        return Judgement(verdicts, tuple(dict.fromkeys(unread)))
+
+    def _relaxed(self, op: str, res: Resolution, items: list[tuple[str, str]]) -> Resolution:
+        """``res`` with the rules ``items`` (argument, rule kind) taken off every contract."""
+        if not items:
+            return res
+        key = (op, frozenset(items))
+        got = self._relaxations.get(key)
+        if got is None:
+            def relax(c: Any) -> Any:
+                return None if c is None else _relax(c, items)
+
+            got = self._relaxations[key] = dataclasses.replace(
+                res, strict=relax(res.strict), _compiled={},
+                readings=tuple(dataclasses.replace(r, contract=relax(r.contract))
+                               for r in res.readings))
+        return got
+
+    def _first(self, res: Resolution, params: list[Param], args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> Verdict | None:
+        """The verdict on the first rule the call breaks (as the guard reaches it: the
+        strictest checker first, then the readings), or None when it breaks none."""
         from .._engine.enforce import compiled_for, explain_call
 
+        assert res.strict is not None
+        if explain_call(compiled_for(res.strict, params), args, kwargs) is None:
+            return None
         v = res.judge(params, args, kwargs, compiled_for)
         on: str | None = None
         depends: tuple[str, ...] = ()
         if v is None:  # the readings cannot judge the call: the strict verdict stands
-            assert res.strict is not None
             contract = res.strict
         elif v.decided is not None:
             contract = v.decided[0].contract
@@ -232,12 +338,42 @@ class Judge:
                 (f"{res.stack_label(r.stack)}: " if res.targets else "") + (r.label or "every stack")
                 for r, _ in v.rejected))
         else:
-            return []
+            return None
         exc = explain_call(compiled_for(contract, params), args, kwargs)
-        if exc is None or _opaque(exc, params, args, kwargs):
-            return []
-        return [Verdict("conditional" if v is not None and v.decided is None else "violation",
-                        exc, depends, on)]
+        if exc is None:
+            return None
+        return Verdict("conditional" if v is not None and v.decided is None else "violation",
+                       exc, depends, on)
+
+
+def _relax(c: Any, items: list[tuple[str, str]]) -> Any:
+    """Contract ``c`` without the rules ``items``: (argument, rule kind), ``"*"`` for every
+    rule of the argument (and the other arguments' rules that name it as their partner)."""
+    gone = {who for who, kind in items if kind == "*"}
+
+    def arg(name: str, a: Any) -> Any:
+        for who, kind in items:
+            if who == name and kind != "*":
+                a = a.model_copy(update=_RELAX.get(kind, {}))
+        update: dict[str, Any] = {}
+        if a.same_dtype_as in gone:
+            update.update(same_dtype_as=None, same_dtype_except=None)
+        if a.same_shape_as in gone:
+            update["same_shape_as"] = None
+        if a.dtype_if_present and gone & set(a.dtype_if_present):
+            update["dtype_if_present"] = {
+                k: v for k, v in a.dtype_if_present.items() if k not in gone} or None
+        return a.model_copy(update=update) if update else a
+
+    def args(given: dict[str, Any]) -> dict[str, Any]:
+        return {n: arg(n, a) for n, a in given.items() if n not in gone}
+
+    update: dict[str, Any] = {"args": args(c.args)}
+    if c.cases:
+        update["cases"] = tuple(k.model_copy(update={"args": args(k.args)}) for k in c.cases)
+    if any(kind == "device" for _, kind in items):
+        update["same_device"] = False
+    return c.model_copy(update=update)
 
 
 def _sig(values: Any) -> Any:
@@ -249,16 +385,23 @@ def _sig(values: Any) -> Any:
     return values
 
 
-def _opaque(exc: ContractViolation, params: list[Param], args: tuple[Any, ...],
-            kwargs: dict[str, Any]) -> bool:
-    """Whether the rule fell on a value msprobe recorded in a form no rule reads (a process
-    group, a device): that is no finding."""
+def _recorded(arg: str | None, params: list[Param], args: tuple[Any, ...],
+              kwargs: dict[str, Any]) -> Any:
+    """The recorded value a violation names (``probs``, ``x[2]`` of a tensor list), or None."""
+    name, _, index = (arg or "").partition("[")
     names = [p.name for p in params]
-    name = (exc.arg or "").split("[", 1)[0]
     if name in kwargs:
-        return isinstance(kwargs[name], md.Opaque)
-    i = names.index(name) if name in names else len(args)
-    return i < len(args) and isinstance(args[i], md.Opaque)
+        value = kwargs[name]
+    elif name in names and names.index(name) < len(args):
+        value = args[names.index(name)]
+    else:
+        return None
+    if index and isinstance(value, (list, tuple)):
+        try:
+            return value[int(index.rstrip("]"))]
+        except (ValueError, IndexError):
+            return None
+    return value
 
 
 class Judged(NamedTuple):
@@ -270,37 +413,43 @@ class Judged(NamedTuple):
     """None for a call not judged: a backward entry, or one the checker cannot read"""
     why: str | None = None
     """why a forward call of an op with a contract was not judged"""
+    unread: tuple[tuple[str, str], ...] = ()
+    """the arguments with rules that could not be judged (argument, why); the others were"""
 
 
-def judged_calls(dumps: list[md.RankDump], judge: Judge) -> list[Judged]:
-    """Every recorded call with its op and verdicts.  Value checks are off meanwhile (the
-    engine's one switch, ``set_value_checks``: process-wide, so a job's own guards in other
-    threads would skip theirs too meanwhile; this is a command-line tool's loop)."""
+def judged_calls(files: Sequence[Path], judge: Judge) -> Iterator[Judged]:
+    """Every recorded call of the ``dump.json`` files with its op and verdicts, read one entry
+    at a time (only the inputs of ops with a contract are read).  Value checks are off
+    meanwhile (the engine's one switch, ``set_value_checks``: process-wide, so a job's own
+    guards in other threads would skip theirs too meanwhile; this is a command-line tool's
+    loop)."""
     from .._lang import values as _values
 
     _registry.load_shipped()
     index = md.ApiIndex(_registry.all_contracts())
-    out: list[Judged] = []
+
+    def keep(prefix: str, api: str) -> bool:
+        return index.op_of(prefix, api) is not None
+
     prev = _values.set_value_checks(False)  # statistics are not values: value rules skipped
     try:
-        for d in dumps:
-            for call in d.calls:
+        for f in files:
+            d = md.read_rank_dump(f, keep)
+            for call in d.calls():
                 op = index.op_for(call)
                 if op is None or call.direction != "forward":
-                    out.append(Judged(d, call, op, None))
+                    yield Judged(d, call, op, None)
                 elif not call.inputs:
-                    out.append(Judged(d, call, op, None,
-                                      "inputs not recorded (msprobe's data_mode)"))
+                    yield Judged(d, call, op, None, "inputs not recorded (msprobe's data_mode)")
                 else:
                     try:
-                        verdicts = judge.judge(op, call)
-                    except (Unjudged, TypeError) as exc:  # TypeError: inputs that do not bind
-                        out.append(Judged(d, call, op, None, str(exc)))
+                        j = judge.judge(op, call)
+                    except TypeError as exc:  # inputs that do not bind to the parameters
+                        yield Judged(d, call, op, None, str(exc))
                     else:
-                        out.append(Judged(d, call, op, verdicts))
+                        yield Judged(d, call, op, j.verdicts, unread=j.unread)
     finally:
         _values.set_value_checks(prev)
-    return out
 
 
 # --------------------------------------------------------------------------- findings
@@ -333,6 +482,18 @@ class Finding:
 
 
 @dataclass
+class NotJudged:
+    """Calls of one op whose argument (``"-"``: the whole call) could not be judged, and why."""
+
+    op: str
+    argument: str
+    why: str
+    api: str
+    """the first msprobe API name it was seen in"""
+    calls: int = 0
+
+
+@dataclass
 class DumpVerdict:
     """What ``check-dump`` found in PATH."""
 
@@ -342,30 +503,51 @@ class DumpVerdict:
     ranks: list[int]
     stacks: Stacks
     checked: int = 0
+    """forward calls of ops with a contract judged whole"""
     ops: dict[str, int] = field(default_factory=dict)
-    """contract op -> calls judged"""
+    """contract op -> calls judged whole"""
     skipped: dict[str, int] = field(default_factory=dict)
     """msprobe API (``Tensor.__mul__``) -> calls skipped: PyTorch's own, or without contract"""
     backward: int = 0
-    unjudged: dict[str, str] = field(default_factory=dict)
-    """msprobe API name -> why it could not be judged"""
+    unjudged: dict[tuple[str, str, str], NotJudged] = field(default_factory=dict)
+    """(op, argument, why) -> the calls that could not be judged, in whole or in part"""
+    not_judged_calls: int = 0
+    """forward calls of ops with a contract not judged whole (some argument, or all, not)"""
+    step_ranks: dict[int | None, list[int]] = field(default_factory=dict)
+    """step -> the ranks with a dump of it"""
     findings: list[Finding] = field(default_factory=list)
 
     @property
     def violations(self) -> list[Finding]:
         return [f for f in self.findings if f.verdict == "violation"]
 
+    @property
+    def judged_nothing(self) -> bool:
+        """Calls of ops with a contract were recorded and none could be judged whole: no
+        clean bill."""
+        return not self.checked and bool(self.unjudged)
+
+    @property
+    def status(self) -> int:
+        """The exit status: 1 violations, 3 nothing could be judged, else 0."""
+        return 1 if self.violations else 3 if self.judged_nothing else 0
+
 
 def check_path(path: str | Path, stacks: Stacks) -> DumpVerdict:
-    """Read and judge every ``dump.json`` PATH stands for (``msprobe_dump.find_rank_dumps``);
-    ``msprobe_dump.DumpError`` when PATH is not an msprobe dump."""
+    """Read and judge every ``dump.json`` PATH stands for (``msprobe_dump.find_rank_dumps``),
+    one entry at a time; ``msprobe_dump.DumpError`` when PATH is not an msprobe dump."""
     files = md.find_rank_dumps(path)
-    dumps = [md.read_rank_dump(f) for f in files]
-    steps = sorted({d.step for d in dumps}, key=lambda s: -1 if s is None else s)
+    where = [md.where(f) for f in files]
+    steps = sorted({s for s, _ in where}, key=lambda s: -1 if s is None else s)
     out = DumpVerdict(str(path), [str(f) for f in files], steps,
-                      sorted({d.rank for d in dumps if d.rank is not None}), stacks)
+                      sorted({r for _, r in where if r is not None}), stacks)
+    for s, r in where:
+        ranks = out.step_ranks.setdefault(s, [])
+        if r is not None and r not in ranks:
+            ranks.append(r)
+            ranks.sort()
     merged: dict[tuple[Any, ...], Finding] = {}
-    for j in judged_calls(dumps, Judge(stacks)):
+    for j in judged_calls(files, Judge(stacks)):
         if j.verdicts is None:
             if j.op is None:
                 # an API as msprobe names it without its count; module entries by their kind
@@ -374,11 +556,17 @@ def check_path(path: str | Path, stacks: Stacks) -> DumpVerdict:
             elif j.why is None:
                 out.backward += 1
             else:
-                out.unjudged.setdefault(j.call.name, j.why)
+                _not_judged(out, j.op, "-", j.why, j.call.name)
+                out.not_judged_calls += 1
             continue
         assert j.op is not None
-        out.checked += 1
-        out.ops[j.op] = out.ops.get(j.op, 0) + 1
+        if j.unread:
+            out.not_judged_calls += 1
+            for arg, why in j.unread:
+                _not_judged(out, j.op, arg, why, j.call.name)
+        else:
+            out.checked += 1
+            out.ops[j.op] = out.ops.get(j.op, 0) + 1
         for v in j.verdicts:
             _add(merged, j.dump, j.call, v)
     out.findings = sorted(merged.values(), key=lambda f: (
@@ -387,15 +575,25 @@ def check_path(path: str | Path, stacks: Stacks) -> DumpVerdict:
     return out
 
 
+def _not_judged(out: DumpVerdict, op: str, arg: str, why: str, api: str) -> None:
+    entry = out.unjudged.get((op, arg, why))
+    if entry is None:
+        entry = out.unjudged[(op, arg, why)] = NotJudged(op, arg, why, api)
+    entry.calls += 1
+
+
 def _add(merged: dict[tuple[Any, ...], Finding], d: md.RankDump, call: md.ApiCall,
          v: Verdict) -> None:
     e, site = v.violation, d.frames.get(call.name)
-    f = Finding(e.op, e.arg, e.rule, e.expected, e.got, call.name, d.step, site,
-                format_violation(op=e.op, arg=e.arg, rule=e.rule, expected=e.expected,
-                                 actual=e.actual, bindings=e.bindings, call_site=site,
-                                 source=e.source, fix=e.fix),
-                v.kind, v.depends_on, v.on, source=e.source, fix=e.fix)
-    old = merged.setdefault(f.key(), f)
+    key = (d.step, v.kind, e.op, e.arg, e.rule, e.expected, e.got, site, v.on)
+    old = merged.get(key)
+    if old is None:
+        old = merged[key] = Finding(
+            e.op, e.arg, e.rule, e.expected, e.got, call.name, d.step, site,
+            format_violation(op=e.op, arg=e.arg, rule=e.rule, expected=e.expected,
+                             actual=e.actual, bindings=e.bindings, call_site=site,
+                             source=e.source, fix=e.fix),
+            v.kind, v.depends_on, v.on, source=e.source, fix=e.fix)
     old.calls += 1
     if d.rank is not None and d.rank not in old.ranks:
         old.ranks = sorted([*old.ranks, d.rank])
@@ -425,29 +623,37 @@ def render(r: DumpVerdict) -> str:
                + (f", {sum(r.skipped[k] for k in other)} call(s) of API(s) without a contract "
                   f"({', '.join(other)})" if other else ""))
     lines = [head]
-    if not r.checked:
-        why = ("no forward call of an op with a contract could be judged" if r.unjudged else "no recorded forward call is of an op with a "
-               "contract")
-        lines.append(f"nothing was checked: {why}; skipped {skipped}")
+    if r.judged_nothing:
+        lines.append(f"nothing could be judged: {r.not_judged_calls} forward call(s) of op(s) "
+                     "with a contract, none with every input a rule reads (below); this is no "
+                     f"clean bill; skipped {skipped}")
+    elif not r.checked:
+        lines.append("nothing was checked: no recorded forward call is of an op with a "
+                     f"contract; skipped {skipped}")
     else:
         ops = ", ".join(f"{op} x{c}" for op, c in sorted(r.ops.items()))
         lines.append(f"checked {r.checked} call(s) of {len(r.ops)} op(s) with a contract: {ops}")
         lines.append(f"  skipped {skipped}; {r.backward} backward entr"
                      f"{'y' if r.backward == 1 else 'ies'} of those ops (gradients: not judged)")
     if r.unjudged:
-        lines.append(f"  not judged: {len(r.unjudged)} API(s): " + "; ".join(
-            f"{k} ({why})" for k, why in list(r.unjudged.items())[:5]))
+        lines += _not_judged_lines(r)
     for label, env in zip(r.stacks.labels(), r.stacks.envs):
         lines.append(f"  judged for {label}: " + ", ".join(
             f"{n} {getattr(env, n) or 'unknown'}" for n in ("torch_npu", "cann", "soc")))
     viol = r.violations
     cond = [f for f in r.findings if f.verdict == "conditional"]
-    if r.checked:
-        lines += ["", f"{len(viol)} contract violation(s)" if viol else "no contract violations."]
+    if viol:
+        lines += ["", f"{len(viol)} contract violation(s)"]
+    elif r.checked and r.unjudged:
+        lines += ["", f"no contract violations in the {r.checked} call(s) judged whole; "
+                  f"{r.not_judged_calls} call(s) could not be judged, in whole or in part "
+                  "(above)."]
+    elif r.checked:
+        lines += ["", "no contract violations."]
     if viol:
         lines += ["", *_table(viol), "", "per violation, the ranks that saw it:"]
         lines += [f"  step {_step(f.step)}: {f.op}: {f.argument or '-'} {f.rule} at "
-                  f"{f.call_site or f.api}: {_seen(f.ranks, r.ranks)}" for f in viol]
+                  f"{f.call_site or f.api}: {_seen(f.ranks, f.step, r)}" for f in viol]
     if cond:
         lines += ["", f"{len(cond)} conditional finding(s): violations if a version not known "
                   "here is one the rule is for (give it: --torch-npu, --cann, --soc)",
@@ -476,14 +682,42 @@ def _table(items: list[Finding]) -> list[str]:
     return aligned(rows)
 
 
-def _seen(seen: list[int], ranks: list[int]) -> str:
+MAX_NOT_JUDGED_LINES = 20
+
+
+def _not_judged_lines(r: DumpVerdict) -> list[str]:
+    """What could not be judged, per op and argument, with why and how many calls."""
+    rows = sorted(r.unjudged.values(), key=lambda n: (n.op, n.argument, n.why))
+    ops = {n.op for n in rows}
+    out = [f"  not judged: {r.not_judged_calls} call(s) of {len(ops)} op(s), in whole or in "
+           "part (no verdict on these; the other arguments of a call were judged):"]
+    for n in rows[:MAX_NOT_JUDGED_LINES]:
+        what = "the whole call" if n.argument == "-" else f"argument {n.argument!r}"
+        out.append(f"    {n.op}: {what}: {n.why}: {n.calls} call(s), first {n.api}")
+    if len(rows) > MAX_NOT_JUDGED_LINES:
+        out.append(f"    ... and {len(rows) - MAX_NOT_JUDGED_LINES} more (--json lists "
+                   "every one)")
+    return out
+
+
+def _seen(seen: list[int], step: int | None, r: DumpVerdict) -> str:
+    """Which ranks saw a finding of ``step``: among the ranks with a dump of that step, and
+    saying plainly which ranks have none (not that they did not see it)."""
     if not seen:
         return "rank unknown"
-    missing = [k for k in ranks if k not in seen]
+    dumped = r.step_ranks.get(step, r.ranks)
+    without = [k for k in r.ranks if k not in dumped]
+    missing = [k for k in dumped if k not in seen]
     text = f"rank{'s' if len(seen) > 1 else ''} {_ranks_text(seen)}"
     if missing:
-        return f"{text} only (not rank {_ranks_text(missing)})"
-    return text + (" (every rank)" if len(ranks) > 1 else "")
+        text += f" only (not rank {_ranks_text(missing)})"
+    elif len(dumped) > 1:
+        text += " (every rank)" if not without else \
+            f" (every rank with a dump of step {_step(step)})"
+    if without:
+        text += (f"; rank {_ranks_text(without)} {'has' if len(without) == 1 else 'have'} no "
+                 f"dump of step {_step(step)}")
+    return text
 
 
 def to_json(r: DumpVerdict) -> dict[str, Any]:
@@ -499,10 +733,17 @@ def to_json(r: DumpVerdict) -> dict[str, Any]:
         "skipped_ops": sorted(r.skipped),
         "ops": dict(sorted(r.ops.items())),
         "backward_entries": r.backward,
-        "not_judged": r.unjudged,
+        "not_judged": [{"op": n.op, "argument": None if n.argument == "-" else n.argument,
+                        "why": n.why, "calls": n.calls, "api": n.api}
+                       for n in sorted(r.unjudged.values(),
+                                       key=lambda n: (n.op, n.argument, n.why))],
+        "not_judged_calls": r.not_judged_calls,
+        "judged_nothing": r.judged_nothing,
         "files": r.files,
         "steps": r.steps,
         "ranks": r.ranks,
+        "ranks_by_step": [{"step": st, "ranks": rk} for st, rk in sorted(
+            r.step_ranks.items(), key=lambda kv: -1 if kv[0] is None else kv[0])],
         "stacks": [{"label": label, **{n: getattr(env, n) for n in ("torch_npu", "cann", "soc")}}
                    for label, env in zip(r.stacks.labels(), r.stacks.envs)],
     }

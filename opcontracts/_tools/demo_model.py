@@ -121,13 +121,40 @@ class MoELayer(nn.Module):
         return out.index_add(0, owner, weighted).to(tokens.dtype)
 
 
+class GroupedMoELayer(MoELayer):
+    """The experts as MindSpeed's GroupedMLP holds them: one weight per projection for all of
+    them, (E, hidden, ffn) and (E, ffn, hidden), run over the rows sorted by expert.  Under
+    ``opcontracts preflight`` (fake tensors: no routing values to split the rows by) the
+    routing is taken as balanced, every expert taking N*K/E rows: one batched matmul of the
+    shapes the grouped one has.  This is how a model gives preflight a value it cannot read."""
+
+    def __init__(self, hidden: int, ffn: int, experts: int, topk: int) -> None:
+        nn.Module.__init__(self)
+        self.router = Router(hidden, experts, topk)
+        self.w1 = nn.Parameter(torch.randn(experts, hidden, ffn) * hidden ** -0.5)
+        self.w2 = nn.Parameter(torch.randn(experts, ffn, hidden) * ffn ** -0.5)
+        self.fused = True
+        self.cast_probs = False
+
+    def _run_experts(self, permuted: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        import opcontracts
+
+        if opcontracts.preflight.active():  # balanced routing: (E, N*K/E, hidden)
+            x = permuted.view(self.w1.size(0), -1, permuted.size(-1))
+            return torch.bmm(F.silu(torch.bmm(x, self.w1)), self.w2).view(permuted.shape)
+        counts = torch.bincount(indices.reshape(-1), minlength=self.w1.size(0)).tolist()
+        return torch.cat([F.silu(c @ w1) @ w2 for c, w1, w2
+                          in zip(permuted.split(counts), self.w1, self.w2)])
+
+
 class Block(nn.Module):
-    def __init__(self, hidden: int, heads: int, ffn: int, experts: int, topk: int) -> None:
+    def __init__(self, hidden: int, heads: int, ffn: int, experts: int, topk: int,
+                 grouped: bool = False) -> None:
         super().__init__()
         self.norm1 = RMSNorm(hidden)
         self.attn = Attention(hidden, heads)
         self.norm2 = RMSNorm(hidden)
-        self.mlp = MoELayer(hidden, ffn, experts, topk)
+        self.mlp = (GroupedMoELayer if grouped else MoELayer)(hidden, ffn, experts, topk)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
@@ -136,10 +163,10 @@ class Block(nn.Module):
 
 class MoEModel(nn.Module):
     def __init__(self, vocab: int = 128, hidden: int = 64, heads: int = 4, ffn: int = 128,
-                 experts: int = 4, topk: int = 2, layers: int = 3) -> None:
+                 experts: int = 4, topk: int = 2, layers: int = 3, grouped: bool = False) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, hidden)
-        self.layers = nn.ModuleList(Block(hidden, heads, ffn, experts, topk)
+        self.layers = nn.ModuleList(Block(hidden, heads, ffn, experts, topk, grouped)
                                     for _ in range(layers))
         self.norm = RMSNorm(hidden)
         self.head = nn.Linear(hidden, vocab, bias=False)

@@ -6,17 +6,17 @@ would load: shipped, ``OPCONTRACTS_CONTRACTS``, ``--contracts``).  Nothing heavi
 argparse is imported until a command runs.
 
 Exit status of ``check-dump``: 0 when no recorded call violates a contract that applies (also
-when nothing could be checked, which it says), 1 when one does, 2 for a usage error or a PATH
-that is not an msprobe dump (one line naming the file).
+when the dump holds no call of an op with a contract, which it says), 1 when one does, 2 for a
+usage error or a PATH that is not an msprobe dump (one line naming the file and the entry), 3
+when calls of ops with a contract were recorded and none could be judged whole (no dtypes, no
+inputs recorded...): no clean bill.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 import warnings
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 __all__ = ["add_parser"]
@@ -40,7 +40,8 @@ def add_parser(sub: Any, load: Loader) -> None:
         description="Judge every call an msprobe dump recorded of an op with a contract "
         "(torch_npu's NPU.*, MindSpeed's MindSpeed.*, custom APIs) with the recorded dtypes and "
         "shapes; PyTorch's own APIs are counted and skipped, value rules skipped. Exit status "
-        "0: no violation; 1: violations; 2: usage error or not an msprobe dump.")
+        "0: no violation; 1: violations; 2: usage error or not an msprobe dump; 3: nothing "
+        "could be judged (the report says what and why).")
     p.add_argument("path", metavar="PATH", help="an msprobe dump folder (step*/rank*/dump.json),"
                    " one step or rank folder, or one dump.json")
     p.add_argument("--json", nargs="?", const="-", metavar="FILE",
@@ -75,21 +76,22 @@ def _cmd_check_dump(ns: Any, load: Loader) -> int:
 
     load(ns.contracts or ())
     result = check_dump.check_path(ns.path, _env(ns))
-    data = json.dumps(check_dump.to_json(result), indent=2) if ns.json else ""
+    from .._jsonout import json_text
+
+    data = json_text(check_dump.to_json(result)) if ns.json else ""
     if ns.json == "-":
         print(data)
     else:
         print(check_dump.render(result))
         if ns.json:
+            from .._jsonout import OutputError, write_text
+
             try:
-                out = Path(ns.json)
-                out.parent.mkdir(parents=True, exist_ok=True)
-                out.write_text(data + "\n", encoding="utf-8")
-            except OSError as exc:
-                print(f"opcontracts check-dump: --json {ns.json}: cannot write: "
-                      f"{exc.strerror or exc}", file=sys.stderr)
+                write_text(ns.json, data + "\n", "--json")
+            except OutputError as exc:
+                print(f"opcontracts check-dump: {exc}", file=sys.stderr)
                 return 2
-    return 1 if result.violations else 0
+    return result.status
 
 
 def _cmd_record(ns: Any, load: Loader) -> int:
@@ -107,5 +109,7 @@ def _cmd_record(ns: Any, load: Loader) -> int:
           f"{ns.from_dump} into {res.path}" + (
               f"; {sum(res.left_out.values())} call(s) that broke a contract "
               + ("recorded too" if ns.record_violations else "left out")
-              if res.left_out else ""), file=sys.stderr)
+              if res.left_out else "") + (
+              f"; {sum(res.unread.values())} call(s) left out: an argument's record cannot be "
+              "read (check-dump says which and why)" if res.unread else ""), file=sys.stderr)
     return 0

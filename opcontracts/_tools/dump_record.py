@@ -29,6 +29,8 @@ class DumpRecording:
     """op -> calls recorded"""
     left_out: dict[str, int] = field(default_factory=dict)
     """op -> calls that violate a contract (left out, or kept with ``record_violations``)"""
+    unread: dict[str, int] = field(default_factory=dict)
+    """op -> calls left out because an argument's record cannot be read (no dtype ...)"""
 
 
 def record_dump(path: str | Path, out: str | Path, stacks: Stacks, *,
@@ -38,13 +40,15 @@ def record_dump(path: str | Path, out: str | Path, stacks: Stacks, *,
     from ..record import Recorder
 
     files = md.find_rank_dumps(path)
-    dumps = [md.read_rank_dump(f) for f in files]
     judge = Judge(stacks)
     rec = Recorder()
     result = DumpRecording(Path(out))
     warned: set[tuple[str, str | None, str]] = set()
-    for j in judged_calls(dumps, judge):
+    for j in judged_calls(files, judge):
         if j.op is None or j.verdicts is None:
+            continue
+        if j.unread:  # a tensor recorded without a dtype (...): nothing to pin for it
+            result.unread[j.op] = result.unread.get(j.op, 0) + 1
             continue
         broken = [v.violation for v in j.verdicts if v.kind == "violation"]
         if broken:
@@ -65,8 +69,8 @@ def record_dump(path: str | Path, out: str | Path, stacks: Stacks, *,
         if j.op not in rec.targets:
             rec.targets[j.op] = list(dict.fromkeys(
                 t for c in _registry.candidates(j.op) for t in c.targets))
-    steps = sorted({d.step for d in dumps if d.step is not None})
-    ranks = sorted({d.rank for d in dumps if d.rank is not None})
+    steps = sorted({s for s, _ in map(md.where, files) if s is not None})
+    ranks = sorted({r for _, r in map(md.where, files) if r is not None})
     origin = (f"opcontracts record --from-dump: msprobe dump {path} ({len(files)} dump.json, "
               f"step(s) {', '.join(map(str, steps)) or '-'}, rank(s) "
               f"{', '.join(map(str, ranks)) or '-'})")
@@ -74,5 +78,8 @@ def record_dump(path: str | Path, out: str | Path, stacks: Stacks, *,
         origin += ("; calls that broke a contract " +
                    ("recorded too: " if record_violations else "left out: ") +
                    ", ".join(f"{op} ({n})" for op, n in sorted(result.left_out.items())))
+    if result.unread:
+        origin += ("; calls with an argument whose record cannot be read left out: " +
+                   ", ".join(f"{op} ({n})" for op, n in sorted(result.unread.items())))
     rec.write(out, origin=origin)
     return result

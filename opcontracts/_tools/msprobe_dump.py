@@ -18,6 +18,13 @@ given (by default the module's ``__name__``).  Level ``L0`` adds module entries
 ...}`` in msprobe 8.x and later, ``{API: [frame, ...]}`` before; a frame is ``"File PATH, line
 N, in FUNC, \\n CODE"``, innermost first.
 
+Files are read one entry at a time (``json_stream``): a dump.json of gigabytes is never in
+memory at once, and only the call sites of the APIs asked for are kept from ``stack.json``.
+A tensor whose record cannot be read (no dtype, a negative or infinite size, more elements than
+a tensor can have) is ``Unreadable``, with why: its rules cannot be judged, the rest of the dump
+is.  The tensor files of a tensor-mode dump (``.pt``, ``.npy``) are never opened, let alone
+unpickled.
+
 This module reads and names; judging is ``check_dump``'s.  Nothing here imports torch.
 """
 
@@ -25,18 +32,20 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from ..errors import OpContractsError
+from .json_stream import ObjectStream, StreamError
 
 if TYPE_CHECKING:
     from ..spec import Contract
 
-__all__ = ["DumpError", "TensorMeta", "Opaque", "ApiCall", "RankDump", "ApiIndex",
-           "parse_api_name", "find_rank_dumps", "read_rank_dump", "user_frame"]
+__all__ = ["DumpError", "TensorMeta", "Opaque", "Unreadable", "ApiCall", "RankDump", "ApiIndex",
+           "parse_api_name", "find_rank_dumps", "read_rank_dump", "user_frame", "where"]
 
 TORCH_FAMILIES = frozenset({"Torch", "Tensor", "Functional", "VF", "Aten", "Distributed",
                             "NPUDistributed", "Module", "Cell", "Jit"})
@@ -78,6 +87,14 @@ class Opaque:
 
 
 @dataclass(frozen=True)
+class Unreadable(Opaque):
+    """A recorded tensor whose record lacks what a rule reads (no dtype, a size that is not
+    one): the rules on it cannot be judged, ``why`` says why."""
+
+    why: str = ""
+
+
+@dataclass(frozen=True)
 class ApiCall:
     """One entry of ``dump.json``."""
 
@@ -99,14 +116,22 @@ class ApiCall:
 @dataclass
 class RankDump:
     """One ``dump.json`` with where it sits (``step``/``rank`` from its folders, None when the
-    folder names do not say) and the user frame of each API from ``stack.json``."""
+    folder names do not say) and the user frame of the APIs asked for from ``stack.json``.
+    Its calls are read when asked for (``calls()``), one entry at a time: a dump of gigabytes
+    is never in memory at once."""
 
     path: Path
     step: int | None
     rank: int | None
-    task: str
-    calls: list[ApiCall]
     frames: dict[str, str]
+    keep: Callable[[str, str], bool] | None = None
+    """``keep(prefix, api)``: whether a forward entry's inputs are read (the others are named
+    and counted only)"""
+
+    def calls(self) -> Iterator[ApiCall]:
+        """The entries of ``data``, in the file's order; ``DumpError`` naming the file and the
+        entry when one is not msprobe's."""
+        yield from _read_calls(self.path, self.keep)
 
 
 def parse_api_name(name: str) -> tuple[str, str, str]:
@@ -122,22 +147,61 @@ def parse_api_name(name: str) -> tuple[str, str, str]:
     return parts[0], ".".join(parts[1:]), ""
 
 
-def _value(v: Any) -> Any:
-    """A recorded argument as the checker sees it: TensorMeta, a Python value, a list, None, or
-    Opaque."""
+MAX_ELEMENTS = 2**63 - 1
+"""the most elements a tensor can have (torch counts them in an int64)"""
+
+
+def _short(v: Any) -> str:
+    text = json.dumps(v, allow_nan=True, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _tensor(v: dict[str, Any]) -> TensorMeta | Unreadable:
+    """A recorded tensor, or why it cannot be read: no dtype or shape, a size that is not one
+    (negative, ``Infinity``, not an integer), more elements than a tensor can have."""
+    kind = str(v.get("type", "torch.Tensor"))
+    dtype, shape = v.get("dtype"), v.get("shape")
+    if dtype is None:
+        return Unreadable(kind, "no dtype recorded")
+    if not isinstance(dtype, str):
+        return Unreadable(kind, f"dtype {_short(dtype)} is not a dtype name")
+    if shape is None:
+        return Unreadable(kind, "no shape recorded")
+    if not isinstance(shape, list):
+        return Unreadable(kind, f"shape {_short(shape)} is not a list of sizes")
+    numel = 1
+    for s in shape:
+        if type(s) is not int:  # noqa: E721 - bool is no size, nor is 4.0 or Infinity
+            return Unreadable(kind, f"shape {_short(shape)}: {_short(s)} is not a size")
+        if s < 0:
+            return Unreadable(kind, f"shape {_short(shape)}: negative size {s}")
+        numel *= s
+    if numel > MAX_ELEMENTS:
+        return Unreadable(kind, f"shape {_short(shape)}: more elements than a tensor can have "
+                          "(2**63 - 1)")
+    return TensorMeta(dtype, tuple(shape), kind)
+
+
+MAX_DEPTH = 16
+"""lists inside lists a recorded argument may have (a tensor list is one)"""
+
+
+def _value(v: Any, depth: int = 0) -> Any:
+    """A recorded argument as the checker sees it: TensorMeta, a Python value, a list, None,
+    Opaque, or Unreadable (a tensor whose record lacks what a rule reads, lists nested deeper
+    than ``MAX_DEPTH``)."""
     if v is None:
         return None
     if isinstance(v, list):
-        return [_value(x) for x in v]
+        if depth >= MAX_DEPTH:
+            return Unreadable("list", f"lists nested more than {MAX_DEPTH} deep")
+        return [_value(x, depth + 1) for x in v]
     if not isinstance(v, dict):
         return Opaque(type(v).__name__)
-    if "dtype" in v and "shape" in v and isinstance(v.get("shape"), list):
-        try:
-            shape = tuple(int(s) for s in v["shape"])
-        except (TypeError, ValueError):
-            return Opaque(str(v.get("type", "tensor")))
-        return TensorMeta(str(v["dtype"]), shape, str(v.get("type", "torch.Tensor")))
     kind = v.get("type")
+    if "dtype" in v or "shape" in v or (isinstance(kind, str) and kind.endswith(
+            ("Tensor", "Parameter"))):
+        return _tensor(v)
     if kind in ("int", "float", "bool", "str") and "value" in v:
         return v["value"]
     if kind == "torch.Size" and isinstance(v.get("value"), list):
@@ -145,39 +209,26 @@ def _value(v: Any) -> Any:
     return Opaque(str(kind))
 
 
-def _load_json(path: Path) -> Any:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise DumpError(path, f"cannot read: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise DumpError(path, "not a text file (an msprobe dump.json is JSON)") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise DumpError(path, f"not JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})"
-                        ) from None
+def _call(path: Path, name: str, entry: Any, keep: Callable[[str, str], bool] | None) -> ApiCall:
+    if not isinstance(entry, dict):
+        raise DumpError(path, f"data[{name!r}]: expected an object, got {_json_type(entry)}")
+    prefix, api, direction = parse_api_name(name)
+    if direction != "forward" or (keep is not None and not keep(prefix, api)):
+        return ApiCall(name, prefix, api, direction)
+    if "input_args" not in entry and "input_kwargs" not in entry:
+        return ApiCall(name, prefix, api, direction, inputs=False)
+    args = entry.get("input_args", [])
+    kwargs = entry.get("input_kwargs", {})
+    if not isinstance(args, list) or not isinstance(kwargs, dict):
+        raise DumpError(path, f"data[{name!r}]: input_args must be a list and "
+                        "input_kwargs an object")
+    return ApiCall(name, prefix, api, direction, tuple(_value(a) for a in args),
+                   {str(k): _value(v) for k, v in kwargs.items()})
 
 
-def _calls(path: Path, data: dict[str, Any]) -> list[ApiCall]:
-    out = []
-    for name, entry in data.items():
-        if not isinstance(entry, dict):
-            raise DumpError(path, f"data[{name!r}]: expected an object, got {type(entry).__name__}")
-        prefix, api, direction = parse_api_name(str(name))
-        if direction == "forward" and "input_args" not in entry and "input_kwargs" not in entry:
-            out.append(ApiCall(name, prefix, api, direction, inputs=False))
-        elif direction == "forward":
-            args = entry.get("input_args", [])
-            kwargs = entry.get("input_kwargs", {})
-            if not isinstance(args, list) or not isinstance(kwargs, dict):
-                raise DumpError(path, f"data[{name!r}]: input_args must be a list and "
-                                "input_kwargs an object")
-            out.append(ApiCall(name, prefix, api, direction, tuple(_value(a) for a in args),
-                               {str(k): _value(v) for k, v in kwargs.items()}))
-        else:
-            out.append(ApiCall(name, prefix, api, direction))
-    return out
+def _json_type(v: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", type(None): "null",
+            bool: "a boolean"}.get(type(v), "a number")
 
 
 def user_frame(frames: list[Any]) -> str | None:
@@ -196,26 +247,78 @@ def user_frame(frames: list[Any]) -> str | None:
     return first
 
 
-def _frames(path: Path) -> dict[str, str]:
-    """API -> its user frame, from ``stack.json`` beside ``path`` (empty when there is none)."""
+def _open(path: Path) -> IO[str]:
+    try:
+        return open(path, encoding="utf-8")  # noqa: SIM115 - the caller's with closes it
+    except OSError as exc:
+        raise DumpError(path, f"cannot read: {exc.strerror or exc}") from None
+
+
+@contextmanager
+def _stream(path: Path) -> Iterator[ObjectStream]:
+    """The file as an ``ObjectStream``; every reading problem a ``DumpError`` naming it."""
+    with _open(path) as f:
+        try:
+            if f.read(1) not in ("\ufeff", ""):  # a byte-order mark is no content
+                f.seek(0)
+            yield ObjectStream(f)
+        except StreamError as exc:
+            raise DumpError(path, str(exc)) from None
+        except UnicodeDecodeError:
+            raise DumpError(path, "not a text file (an msprobe dump is JSON)") from None
+        except OSError as exc:
+            raise DumpError(path, f"cannot read: {exc.strerror or exc}") from None
+
+
+def _read_calls(path: Path, keep: Callable[[str, str], bool] | None) -> Iterator[ApiCall]:
+    found = False
+    with _stream(path) as s:
+        if s.peek() != "{":
+            raise DumpError(path, "not an msprobe dump.json (expected an object with 'task' "
+                            f"and a 'data' object of API entries, got {s.kind()})")
+        for key in s.members():
+            if key != "data" or found:
+                s.value(key)
+                continue
+            found = True
+            if s.peek() != "{":
+                raise DumpError(path, "not an msprobe dump.json ('data' is "
+                                f"{s.kind()}, expected an object of API entries)")
+            for name in s.members("data"):
+                what = f"data[{name!r}]"
+                yield _call(path, name, s.value(what), keep)
+        s.end()
+    if not found:
+        raise DumpError(path, "not an msprobe dump.json (expected an object with 'task' and "
+                        "a 'data' object of API entries, got an object without a 'data' "
+                        "object)")
+
+
+def _frames(path: Path, wanted: Callable[[str], bool] | None = None) -> dict[str, str]:
+    """API -> its user frame, from ``stack.json`` beside ``path`` (empty when there is none),
+    for the APIs ``wanted`` (every one by default); read one member at a time."""
     stack = path.with_name("stack.json")
     if not stack.is_file():
         return {}
-    data = _load_json(stack)
-    if not isinstance(data, dict):
-        raise DumpError(stack, "not an msprobe stack.json (expected an object)")
     out: dict[str, str] = {}
-    for key, value in data.items():
-        if isinstance(value, list) and len(value) == 2 and isinstance(value[0], list):
-            apis, frames = value  # msprobe 8.x: {"0": [[API, ...], [frame, ...]]}
-        else:
-            apis, frames = [key], value  # older: {API: [frame, ...]}
-        if not isinstance(frames, list):
-            continue
-        where = user_frame(frames)
-        if where is not None:
-            for api in apis:
-                out[str(api)] = where
+    with _stream(stack) as s:
+        if s.peek() != "{":
+            raise DumpError(stack, f"not an msprobe stack.json (expected an object, got "
+                            f"{s.kind()})")
+        for key in s.members():
+            value = s.value(repr(key))
+            if isinstance(value, list) and len(value) == 2 and isinstance(value[0], list):
+                apis, frames = value  # msprobe 8.x: {"0": [[API, ...], [frame, ...]]}
+            else:
+                apis, frames = [key], value  # older: {API: [frame, ...]}
+            apis = [str(a) for a in apis if wanted is None or wanted(str(a))]
+            if not apis or not isinstance(frames, list):
+                continue
+            where = user_frame(frames)
+            if where is not None:
+                for api in apis:
+                    out[api] = where
+        s.end()
     return out
 
 
@@ -224,18 +327,24 @@ def _number(name: str, pattern: re.Pattern[str]) -> int | None:
     return int(m.group(1)) if m and m.group(1) else None
 
 
-def read_rank_dump(path: Path) -> RankDump:
-    """One ``dump.json``; ``DumpError`` when it is not msprobe's."""
-    data = _load_json(path)
-    if not isinstance(data, dict) or not isinstance(data.get("data"), dict):
-        got = "an object without a 'data' object" if isinstance(data, dict) else \
-            f"a JSON {type(data).__name__}"
-        raise DumpError(path, f"not an msprobe dump.json (expected an object with 'task' and "
-                        f"a 'data' object of API entries, got {got})")
-    step = _number(path.parent.parent.name, _STEP)
-    rank = _number(path.parent.name, _RANK)
-    return RankDump(path, step, rank, str(data.get("task", "?")), _calls(path, data["data"]),
-                    _frames(path))
+def where(path: Path) -> tuple[int | None, int | None]:
+    """``(step, rank)`` of a ``dump.json`` from its folders' names (None where they do not
+    say)."""
+    return _number(path.parent.parent.name, _STEP), _number(path.parent.name, _RANK)
+
+
+def read_rank_dump(path: Path, keep: Callable[[str, str], bool] | None = None) -> RankDump:
+    """One ``dump.json``: where it sits and its call sites (``stack.json``, for the APIs
+    ``keep(prefix, api)`` accepts); its entries are read by ``RankDump.calls()``, whose
+    ``DumpError`` names the file and entry that are not msprobe's."""
+    step, rank = where(path)
+    if not path.is_file():
+        raise DumpError(path, "no such file")
+
+    def wanted(api: str) -> bool:
+        return keep is None or keep(*parse_api_name(api)[:2])
+
+    return RankDump(path, step, rank, _frames(path, wanted), keep)
 
 
 def find_rank_dumps(path: str | Path) -> list[Path]:
@@ -293,7 +402,11 @@ class ApiIndex:
 
     def op_for(self, call: ApiCall) -> str | None:
         """The contract op of ``call``'s API, or None."""
-        key = (call.prefix, call.api)
+        return self.op_of(call.prefix, call.api)
+
+    def op_of(self, prefix: str, api: str) -> str | None:
+        """The contract op of the API ``prefix``.``api``, or None."""
+        key = (prefix, api)
         if key not in self._memo:
             self._memo[key] = self._op_for(*key)
         return self._memo[key]

@@ -115,10 +115,9 @@ def _cmd_probe(ns: argparse.Namespace) -> int:
         msg = str(exc)
         unknown = [op for op in ops if op not in probeable and msg.find(repr(op)) >= 0]
         if unknown:  # a typo: the near matches, not every name
-            import difflib
+            from .._engine.registry import near_names
 
-            near = difflib.get_close_matches(unknown[0], probeable, n=5, cutoff=0.5) or \
-                [n for n in probeable if unknown[0].lower() in n.lower()][:5]
+            near = near_names(unknown[0], probeable)
             msg = (f"no reference with example inputs for {unknown[0]!r}"
                    + (f"; near matches: {', '.join(near)}" if near else "")
                    + " (`opcontracts probe` without an op lists them all)")

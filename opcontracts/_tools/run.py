@@ -2,7 +2,7 @@
 
     opcontracts run [--mode MODE] [--nan-check] [--compare [RATE]] [--record FILE
                     [--record-target mod.fn ...]] [--report FILE] [--quiet]
-                    [--emulate[=PROFILE]] script.py [args ...]
+                    [--emulate[=PROFILE] [--devices N]] script.py [args ...]
     opcontracts run [options] -m module [args ...]
 
 Why: guarding a job should not need an edit of the job.  The script runs as ``python`` would
@@ -18,16 +18,21 @@ the shadow compare's (``--compare``); ``--record FILE`` writes the golden run's 
 torchrun).  Under torchrun the summary is printed once, by rank 0, merged over the ranks
 (``_ranks.rankmerge``).  ``--quiet`` prints nothing at exit unless there is a violation, a NaN finding
 or a divergence.  The exit status is the script's: its ``SystemExit`` code, 1 (with the
-traceback) for an uncaught exception, 130 for Ctrl-C.
+traceback) for an uncaught exception, 130 for Ctrl-C; 2 for run's own errors, an output that
+cannot be written among them (checked before the script starts; one lost after a script that
+exited 0 makes it 2).  Output paths are made absolute before the script starts (a script that
+changes folder does not move them); with ``--json`` on stdout the script's stdout goes to
+stderr while it runs, so stdout holds the JSON alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import runpy
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -45,8 +50,8 @@ __all__ = ["RunOptions", "UsageError", "main", "parse", "run"]
 
 USAGE = ("usage: opcontracts run [-h] [--mode MODE] [--contracts PATH] [--nan-check] "
          "[--compare [RATE]] [--record FILE [--record-target mod.fn] [--record-violations]] "
-         "[--report FILE] [--json [FILE]] [-q] [--emulate[=PROFILE]] (script.py | -m module) "
-         "[args ...]")
+         "[--report FILE] [--json [FILE]] [-q] [--emulate[=PROFILE] [--devices N]] "
+         "(script.py | -m module) [args ...]")
 HELP = f"""{USAGE}
 
 Run a Python script (or a module with -m) with opcontracts.patch applied, as python would run it,
@@ -54,7 +59,8 @@ and print the contract violation report to stderr when it ends.  The options go 
 script name; everything after it goes to the script.
 
 positional arguments:
-  script.py        the script to run (or -m module); every word after it goes to the script
+  script.py        the script to run (a file, or a folder or zip file with __main__.py; or
+                   -m module); every word after it goes to the script
   args             the script's own arguments
 
 options:
@@ -79,21 +85,27 @@ options:
                    about and left out: a golden file never pins a dtype the rules reject)
   --report FILE    also write the report as JSON (FILE.rank{{R}}.json per rank when distributed)
   --json [FILE]    the report as JSON: in FILE (as --report), or on stdout (bare --json, or
-                   --json -: after the script's own output, rank 0 only)
+                   --json -: the JSON alone, after the script, rank 0 only; the script's own
+                   stdout goes to stderr meanwhile)
   -q, --quiet      at exit, one line when there is a contract violation, a NaN finding or a
-                   divergence, nothing otherwise (the files are still written)
+                   divergence, nothing otherwise (the files are still written, silently)
   --emulate[=PROFILE]
                    run on the CPU emulation of torch_npu 2.13 with an emulated npu device
                    (opcontracts.emulation, device=True; PROFILE: narrow (default), incident,
                    wide), so an unmodified torch_npu script runs on a machine without an NPU
+  --devices N      with --emulate: emulate N npu devices (npu:0 ... npu:N-1; default 1, or
+                   OPCONTRACTS_EMULATE_DEVICES, which the processes the script starts inherit)
   -m module        run a library module as a script (like python -m)
 
 exit status: the script's own (SystemExit code; 1 on an uncaught exception; 130 on Ctrl-C);
 2 for a usage error, a script or module that cannot be opened, a --contracts file with a
-problem, or an output (--report, --record, --json) that cannot be written.
+problem, or an output (--report, --record, --json) that cannot be written (checked before the
+script starts; output paths are taken from the folder run starts in, even if the script
+changes folder).
 """
 
 _MODES = ("strict", "warn", "fix", "off")
+DEVICES_ENV = "OPCONTRACTS_EMULATE_DEVICES"  # emulation._device.DEVICES_ENV (imported lazily)
 
 
 class UsageError(Exception):
@@ -116,6 +128,7 @@ class RunOptions:
     json: str | None = None  # "-": stdout
     contracts: list[str] = field(default_factory=list)
     emulate: str | None = None  # the emulation's profile, None: no emulation
+    devices: int | None = None  # --devices N: npu devices to emulate
     help: bool = False
 
 
@@ -176,6 +189,8 @@ def parse(argv: Sequence[str]) -> RunOptions:
         elif w == "--emulate" or w.startswith("--emulate="):
             opts.emulate = w.split("=", 1)[1] if "=" in w else "narrow"
             _check_profile(opts.emulate)
+        elif w == "--devices" or w.startswith("--devices="):
+            opts.devices = _check_devices(value("--devices", w))
         elif w == "--report" or w.startswith("--report="):
             opts.report = value("--report", w)
         elif w == "--json" or w.startswith("--json="):
@@ -214,6 +229,16 @@ def _check_profile(name: str) -> None:
     if name not in PROFILES:
         raise UsageError(f"--emulate: unknown profile {name!r}; expected one of "
                          f"{', '.join(PROFILES)}")
+
+
+def _check_devices(word: str) -> int:
+    from ..emulation import _device
+    from ..errors import SettingError
+
+    try:
+        return _device.devices_setting(word)
+    except SettingError as exc:
+        raise UsageError(f"--devices: {exc}") from None
 
 
 def _is_rate(word: str) -> bool:
@@ -298,7 +323,11 @@ def _execute(opts: RunOptions) -> int:
         else:
             assert opts.script is not None
             sys.argv = [opts.script, *opts.args]
-            sys.path[0] = os.path.dirname(os.path.abspath(opts.script))
+            # python puts a script's folder first on sys.path; for a folder or zip file with a
+            # __main__ module, the folder or zip itself (run_path puts it first too)
+            script = os.path.abspath(opts.script)
+            sys.path[0] = script if not os.path.isfile(script) or \
+                _is_zip(script) else os.path.dirname(script)
             runpy.run_path(opts.script, run_name="__main__")
     except SystemExit as exc:
         return _exit_status(exc)
@@ -309,6 +338,15 @@ def _execute(opts: RunOptions) -> int:
         _print_exception(exc)
         return 1
     return 0
+
+
+def _is_zip(path: str) -> bool:
+    import zipfile
+
+    try:
+        return zipfile.is_zipfile(path)
+    except OSError:  # pragma: no cover - unreadable: run_path says so
+        return False
 
 
 def _module_found(name: str) -> bool:
@@ -330,9 +368,8 @@ def _module_found(name: str) -> bool:
 def run(opts: RunOptions) -> int:
     """Apply the patch and the mode, run the script, report; process state is restored
     afterwards (``sys.argv``, ``sys.path[0]``, the mode, the patch if it was not applied)."""
-    if opts.script is not None and not os.path.isfile(opts.script):
-        print(f"opcontracts run: can't open file {os.path.abspath(opts.script)!r}: "
-              "[Errno 2] No such file or directory", file=sys.stderr)
+    if opts.script is not None and (why := _unrunnable(opts.script)) is not None:
+        print(f"opcontracts run: {why}", file=sys.stderr)
         return 2
     if opts.module is not None and not _module_found(opts.module):
         print(f"opcontracts run: No module named {opts.module}", file=sys.stderr)
@@ -345,6 +382,10 @@ def run(opts: RunOptions) -> int:
     except OpContractsError as exc:
         print(f"opcontracts run: {exc}", file=sys.stderr)
         return 2
+    # where the user meant them, even if the script changes folder (hydra does)
+    opts.report, opts.record, opts.json = (
+        p if p is None or p == "-" else os.path.abspath(p)
+        for p in (opts.report, opts.record, opts.json))
     if opts.contracts:  # named on the command line: a bad file stops the run here
         from .._attach.use import use
 
@@ -353,7 +394,8 @@ def run(opts: RunOptions) -> int:
         except OpContractsError as exc:
             print(f"opcontracts run: --contracts: {exc}", file=sys.stderr)
             return 2
-    emulated = _emulate(opts.emulate)
+    saved_devices = os.environ.get(DEVICES_ENV)
+    emulated = _emulate(opts.emulate, opts.devices)
     if emulated is None:
         return 2
     patch_mod = sys.modules.get("opcontracts.patch")
@@ -377,15 +419,17 @@ def run(opts: RunOptions) -> int:
         os.environ["OPCONTRACTS_MODE"] = opts.mode  # for processes the script starts
     watchers = _Watchers(opts)
     status = 1
+    written = True
     try:
         watchers.start()
-        status = _execute(opts)
+        with _script_stdout(opts):
+            status = _execute(opts)
     finally:
         results = watchers.stop()
         sys.argv = saved_argv
         if saved_path0 is not None:
             sys.path[0] = saved_path0
-        _finish(opts, results)  # in the run's mode: the report file says which it was
+        written = _finish(opts, results)  # in the run's mode: the report file says which it was
         if prev_mode is not None:
             modes.set_mode(prev_mode)
             if saved_env is None:
@@ -403,26 +447,89 @@ def run(opts: RunOptions) -> int:
             from .. import emulation
 
             emulation.uninstall()
+        if opts.devices is not None:
+            _restore_env(DEVICES_ENV, saved_devices)
+    if not written and status == 0:  # the script did its part; an asked-for file is lost
+        return 2
     return status
 
 
-def _emulate(profile: str | None) -> bool | None:
-    """Install the emulation with its npu device for ``--emulate``: True when this run
+@contextlib.contextmanager
+def _script_stdout(opts: RunOptions) -> Iterator[None]:
+    """With ``--json`` on stdout, the script's own stdout goes to stderr while it runs (its
+    ``print``s, a subprocess's or a C library's writes to file descriptor 1), so that stdout
+    holds the JSON alone, written after the script; otherwise nothing changes."""
+    if opts.json != "-":
+        yield
+        return
+    try:
+        sys.stdout.flush()
+    except Exception:  # pragma: no cover - a closed stdout
+        pass
+    saved = None
+    try:
+        saved = os.dup(1)
+        os.dup2(2, 1)
+    except OSError:  # pragma: no cover - no descriptor 1 or 2: Python's own streams only
+        saved = None
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except Exception:  # pragma: no cover - the script closed them
+            pass
+        if saved is not None:
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
+def _unrunnable(script: str) -> str | None:
+    """Why ``script`` cannot be run, in python's words, or None: a file, or a folder or zip
+    file with a ``__main__`` module (as ``python app/`` and ``runpy.run_path`` run it)."""
+    if os.path.isfile(script):
+        return None
+    if os.path.isdir(script):
+        if any(os.path.isfile(os.path.join(script, "__main__" + ext))
+               for ext in (".py", ".pyc")):
+            return None
+        return f"can't find '__main__' module in {script!r}"
+    return f"can't open file {os.path.abspath(script)!r}: [Errno 2] No such file or directory"
+
+
+def _restore_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
+def _emulate(profile: str | None, devices: int | None = None) -> bool | None:
+    """Install the emulation with its npu device for ``--emulate`` (``devices`` of them, which
+    the processes the script starts inherit through the environment): True when this run
     installed it, False when there is nothing to do, None (and a line on stderr) when it cannot
-    be installed (a real torch_npu is present)."""
+    be installed (a real torch_npu is present, ``--devices`` without ``--emulate``, a bad
+    ``OPCONTRACTS_EMULATE_DEVICES``)."""
     if profile is None:
+        if devices is not None:
+            print("opcontracts run: --devices needs --emulate (a machine's real NPUs are the "
+                  "devices it has)", file=sys.stderr)
+            return None
         return False
     from .. import emulation
+    from ..errors import SettingError
 
-    if emulation.installed():
-        emulation.install(profile, device=True)
-        return False
+    if devices is not None:
+        os.environ[DEVICES_ENV] = str(devices)
+    was_installed = emulation.installed()
     try:
         emulation.install(profile, device=True)
-    except RuntimeError as exc:
+    except (RuntimeError, SettingError) as exc:
         print(f"opcontracts run: --emulate: {exc}", file=sys.stderr)
         return None
-    return True
+    return not was_installed
 
 
 # --------------------------------------------------------------------------- observers
@@ -517,9 +624,9 @@ def _payload(rep: Any, res: _Results) -> dict[str, Any]:
     }
 
 
-def _finish(opts: RunOptions, res: _Results) -> None:
+def _finish(opts: RunOptions, res: _Results) -> bool:
     """Write the files (report JSON, golden run), then print the summary to stderr: rank 0
-    alone, merged over the ranks, under torchrun."""
+    alone, merged over the ranks, under torchrun.  Whether every file asked for was written."""
     from .._engine import records as _report
 
     try:
@@ -532,6 +639,7 @@ def _finish(opts: RunOptions, res: _Results) -> None:
     if res.stats is not None and rank is not None:
         res.stats.ranks = [rank]
     notes: list[str] = []
+    written = True
     if res.recorder is not None and opts.record:
         seen = res.recorder.calls()
         patch = sys.modules.get("opcontracts.patch")
@@ -549,6 +657,7 @@ def _finish(opts: RunOptions, res: _Results) -> None:
                          f"with OPCONTRACTS_CONTRACTS={golden}")
         except OSError as exc:
             res.problems.append(f"--record: cannot write {opts.record}: {exc}")
+            written = False
     payload = _payload(rep, res)
     extra = {k: v for k, v in payload.items() if k != "report" and v is not None}
     for target, flag in ((opts.report, "--report"), (opts.json, "--json")):
@@ -558,6 +667,7 @@ def _finish(opts: RunOptions, res: _Results) -> None:
             path = _report.write_report(target, rep, extra=extra, option=flag)
         except OpContractsError as exc:  # checked before the run; a disk that filled since
             res.problems.append(str(exc))
+            written = False
             continue
         if path != "-":
             notes.append(f"opcontracts: report written to {path}")
@@ -569,26 +679,29 @@ def _finish(opts: RunOptions, res: _Results) -> None:
     if parts == []:  # another rank: rank 0 prints for everyone
         lines: list[str] = []
     elif parts:
-        lines = _merged_lines(parts, world, opts.quiet)
+        lines = _merged_lines(parts, world, opts.quiet, _details(opts))
     else:
-        lines = _summary_lines(rep, res, opts.quiet)
-    if lines or not opts.quiet:
+        lines = _summary_lines(rep, res, opts.quiet, _details(opts))
+    if not opts.quiet:  # --quiet: the files asked for are written without a word
         lines += notes
     lines += [f"opcontracts run: {p}" for p in res.problems]
     if lines:
         print("", file=err)
         print("\n".join(lines), file=err)
     err.flush()
+    return written
 
 
-def _findings(res: _Results) -> bool:
-    nan, cmp = res.nan, res.compare
-    return bool((nan is not None and (nan.first is not None or nan.received is not None))
-                or (cmp is not None and cmp.first is not None))
+def _details(opts: RunOptions) -> str | None:
+    """The report file this run writes (``--report``, or ``--json FILE``), where ``--quiet``'s
+    line points for the details; None when none is written."""
+    return opts.report or (opts.json if opts.json not in (None, "-") else None)
 
 
-def _quiet_line(violations: int, records: Any, nan: bool, diverged: bool) -> list[str]:
-    """``--quiet``: one line, only when there is something to look at."""
+def _quiet_line(violations: int, records: Any, nan: bool, diverged: bool,
+                details: str | None = None) -> list[str]:
+    """``--quiet``: one line, only when there is something to look at; it points at the
+    report file when one is written (``details``), else says how to get one."""
     parts = []
     if violations:
         ops = sorted({r.op for r in records})
@@ -600,17 +713,19 @@ def _quiet_line(violations: int, records: Any, nan: bool, diverged: bool) -> lis
         parts.append("a divergence from the reference")
     if not parts:
         return []
-    return ["opcontracts: " + ", ".join(parts) + " (run without --quiet, or --report FILE, "
-            "for the details)"]
+    where = f"details in {details}" if details else \
+        "run without --quiet, or --report FILE, for the details"
+    return ["opcontracts: " + ", ".join(parts) + f" ({where})"]
 
 
-def _summary_lines(rep: Any, res: _Results, quiet: bool) -> list[str]:
+def _summary_lines(rep: Any, res: _Results, quiet: bool,
+                   details: str | None = None) -> list[str]:
     """This process's summary: violations, what was checked, the findings."""
     if quiet:
         nan, cmp = res.nan, res.compare
         return _quiet_line(rep.total, rep.records,
                            nan is not None and (nan.first is not None or nan.received is not None),
-                           cmp is not None and cmp.first is not None)
+                           cmp is not None and cmp.first is not None, details)
     lines: list[str] = []
     stats = res.stats
     if rep.records:
@@ -626,10 +741,11 @@ def _summary_lines(rep: Any, res: _Results, quiet: bool) -> list[str]:
     return lines
 
 
-def _merged_lines(parts: list[dict[str, Any]], world: int, quiet: bool) -> list[str]:
+def _merged_lines(parts: list[dict[str, Any]], world: int, quiet: bool,
+                  details: str | None = None) -> list[str]:
     """Rank 0's summary for the whole job, from every rank's part."""
     from .._engine.records import Report, merge_reports
-    from .._observers.stats import RunStats, merge_stats
+    from .._observers.sections import RunStats, merge_stats
 
     ranks = sorted(int(p["rank"]) for p in parts)
     reports = []
@@ -647,7 +763,7 @@ def _merged_lines(parts: list[dict[str, Any]], world: int, quiet: bool) -> list[
                            any(p.get("nan_sentinel") and p["nan_sentinel"].get("first")
                                for p in parts),
                            any(p.get("shadow_compare") and p["shadow_compare"].get("first")
-                               for p in parts))
+                               for p in parts), details)
     lines = [f"opcontracts: summary of {len(parts)} of {world} rank(s)"
              + ("" if len(parts) == world else
                 f" (no summary from rank(s) {','.join(str(r) for r in range(world) if r not in ranks)}"
@@ -670,7 +786,7 @@ def _merged_lines(parts: list[dict[str, Any]], world: int, quiet: bool) -> list[
     cmp_parts = [(p["rank"], p["shadow_compare"]) for p in parts
                  if p.get("shadow_compare") is not None]
     if cmp_parts:
-        from ..compare import merge_sections, merged_lines
+        from .._observers.sections import merge_sections, merged_lines
 
         lines += merged_lines(merge_sections(cmp_parts))
     return lines

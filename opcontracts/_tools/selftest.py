@@ -1,24 +1,7 @@
 """``opcontracts selftest``: does opcontracts work on this stack?  One short run for an NPU box.
 
-With a real torch_npu importable the checks run on it (the NPU, real MindSpeed if importable,
-torchair if importable); without one they run on opcontracts' CPU emulation with its emulated
-npu device, and every line says which.  The checks, in order (the SoC first, before anything
-touches the device):
-
-soc            the SoC is detected from ``torch_npu.npu.get_device_name()`` and detecting it
-               does not initialise the device (``torch_npu.npu.is_initialized()`` unchanged)
-packets        after ``opcontracts.patch``: ``torch_npu.X is torch.ops.npu.X`` and
-               ``torch.ops.npu.X`` is still an ``OpOverloadPacket`` (inductor's
-               ``register_lowering`` and ``register_fake`` need one)
-strict         strict mode stops float64 ``probs`` (wrong on every release and CANN) to ``torch_npu.npu_moe_token_unpermute``
-mindspeed      the same through ``mindspeed.ops.npu_moe_token_unpermute`` (skipped without
-               MindSpeed)
-dispatched     the ``npu::`` op names a forward and a backward of the unpermute really dispatch
-               (a logging ``TorchDispatchMode``): what contracts must name to see them
-backward-mode  ``with _modes.mode("strict")`` around ``loss.backward()`` reaches a check
-               made on the device's autograd worker thread
-torchair       a ``torch.compile`` through torchair's NPU backend of a guarded call (skipped
-               without torchair)
+What it checks, and in which order, is ``DESCRIPTION`` (``opcontracts selftest --help``
+prints it: a constant, so that ``python -OO``, which drops docstrings, keeps it).
 
 Exit status: 0 when no check failed, 1 when one did, 2 when the emulation cannot be installed.
 The same checks are the real-stack lane of the test suite (``tests/test_real_stack.py``).
@@ -34,6 +17,31 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["CHECKS", "Result", "Stack", "add_parser", "main", "open_stack", "run_checks"]
+
+DESCRIPTION = """\
+With a real torch_npu importable the checks run on it (the NPU, real MindSpeed if importable,
+torchair if importable); without one they run on opcontracts' CPU emulation with its emulated
+npu device, and every line says which.  The checks, in order (the SoC first, before anything
+touches the device):
+
+soc            the SoC is detected from `torch_npu.npu.get_device_name()` and detecting it
+               does not initialise the device (`torch_npu.npu.is_initialized()` unchanged)
+packets        after `opcontracts.patch`: `torch_npu.X is torch.ops.npu.X` and
+               `torch.ops.npu.X` is still an `OpOverloadPacket` (inductor's
+               `register_lowering` and `register_fake` need one)
+strict         strict mode stops float64 `probs` (wrong on every release and CANN) to
+               `torch_npu.npu_moe_token_unpermute`
+mindspeed      the same through `mindspeed.ops.npu_moe_token_unpermute` (skipped without
+               MindSpeed)
+dispatched     the `npu::` op names a forward and a backward of the unpermute really dispatch
+               (a logging `TorchDispatchMode`): what contracts must name to see them
+backward-mode  `with _modes.mode("strict")` around `loss.backward()` reaches a check
+               made on the device's autograd worker thread
+torchair       a `torch.compile` through torchair's NPU backend of a guarded call (skipped
+               without torchair)
+
+Exit status: 0 when no check failed, 1 when one did, 2 when the emulation cannot be installed.
+"""
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 _OPS = ("npu_moe_token_permute", "npu_moe_token_unpermute", "npu_grouped_matmul",
@@ -314,7 +322,8 @@ def add_parser(sub: Any) -> None:
     """``opcontracts selftest`` (``sub``: the CLI's subparsers)."""
     p = sub.add_parser("selftest", help="check that opcontracts works on this stack (the real "
                        "torch_npu if importable, else the CPU emulation); exit 1 on a failure",
-                       description=__doc__.split("\n\n")[1])
+                       description=DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.set_defaults(func=_cmd)
 
 

@@ -30,14 +30,18 @@ hooks and guard, and ``torch.npu`` (``torch.compile`` asks a renamed backend for
 ("Could not run 'aten::empty.memory_format' with arguments from the 'npu' backend"); tensors
 made before keep their memory but no op runs on them.  The engine's queues for the device are
 sized at the process's first backward: :func:`reserve` (the once-per-process part) must come
-before it.  Not emulated: several devices (``device_count() == 1``), streams and events, pinned
-memory, ``torch.save`` of npu tensors, resizing an npu storage in place
+before it.  Several devices: ``OPCONTRACTS_EMULATE_DEVICES`` / ``install(devices=N)`` (tensors on
+``npu:1`` and up are made through DLPack, ``_new_on``); an index beyond the count is refused
+as torch_npu refuses it.  Not emulated: streams and events, pinned memory (``pin_memory()``
+gives a host copy), ``torch.save`` of npu tensors, resizing an npu storage in place
 (``untyped_storage().resize_``), npu generators.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import os
 import sys
 import threading
 import types
@@ -47,6 +51,8 @@ from typing import Any
 import torch
 from torch.library import Library
 
+from . import _autocast, _backward_engine, _cpu_gaps
+
 __all__ = ["DEFAULT_SOC", "call_on_cpu", "drop_op_kernels", "install", "installed", "module",
            "register_op_kernels", "reported_soc", "reserve", "to_cpu_view", "to_npu", "uninstall"]
 
@@ -55,8 +61,8 @@ DEFAULT_SOC = "Ascend910B3"  # an A2 training chip (torch_npu.npu.get_device_nam
 
 _lock = threading.RLock()
 # the SoC reported; the current device; whether the device was used since install (torch_npu's
-# lazy init runs at the first use: is_initialized() is False before it)
-_state: dict[str, Any] = {"soc": DEFAULT_SOC, "current": 0, "initialized": False}
+# lazy init runs at the first use: is_initialized() is False before it); how many devices
+_state: dict[str, Any] = {"soc": DEFAULT_SOC, "current": 0, "initialized": False, "count": 1}
 _libs: list[Library] = []      # aten kernels and the fallback, while installed
 _op_libs: list[Library] = []   # kernels of the emulated npu ops
 _CPU = torch.device("cpu")
@@ -66,26 +72,40 @@ _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 
 # -- tensors ---------------------------------------------------------------------------------
 
-def _npu_device() -> torch.device:
-    return torch.device(DEVICE_TYPE, 0)
-
-
 def _point(npu: torch.Tensor, cpu: torch.Tensor) -> None:
     """Make ``npu`` (an npu tensor) view ``cpu``'s memory with ``cpu``'s sizes and strides."""
     storage = cpu.untyped_storage()
     npu_storage = torch._C._construct_storage_from_data_pointer(
-        storage.data_ptr(), _npu_device(), storage.nbytes())
+        storage.data_ptr(), npu.device, storage.nbytes())
     npu_storage._opcontracts_cpu = storage  # type: ignore[attr-defined]  # the memory lives as long as the npu storage
     # the CPU kernel of set_ only moves the storage pointer and the metadata; it runs on any
     # TensorImpl (the npu one has no storage yet)
     _SET.redispatch(_CPU_KEYS, npu, npu_storage, cpu.storage_offset(), cpu.size(), cpu.stride())
 
 
-def to_npu(cpu: torch.Tensor) -> torch.Tensor:
-    """An npu tensor over ``cpu``'s memory (no copy)."""
-    npu = torch._C._acc.create_empty_tensor((0,), cpu.dtype)
+def to_npu(cpu: torch.Tensor, index: int = 0) -> torch.Tensor:
+    """An npu tensor on ``npu:index`` over ``cpu``'s memory (no copy)."""
+    npu = torch._C._acc.create_empty_tensor((0,), cpu.dtype) if index == 0 else _new_on(index, cpu.dtype)
     _point(npu, cpu)
     return npu
+
+
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.restype = ctypes.c_void_p
+_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_DLPACK_DEVICE = 8      # offsetof(DLTensor, device): after the data pointer
+_DL_EXT_DEV = 12        # kDLExtDev: torch reads it as PrivateUse1
+
+
+def _new_on(index: int, dtype: torch.dtype) -> torch.Tensor:
+    """An empty npu tensor on ``npu:index`` (index >= 1).  torch's Python device guard makes
+    every new tensor of a Python backend ``npu:0`` and a tensor's device cannot change later, so
+    the tensor is made by DLPack: an empty CPU tensor's capsule, its device rewritten to
+    (kDLExtDev, index), read back by torch as a PrivateUse1 tensor on that index."""
+    capsule = torch._C._to_dlpack(torch.empty(0, dtype=dtype))
+    device = (ctypes.c_int32 * 2).from_address(_capsule_pointer(capsule, b"dltensor") + _DLPACK_DEVICE)
+    device[0], device[1] = _DL_EXT_DEV, index
+    return torch._C._from_dlpack(capsule)
 
 
 def to_cpu_view(npu: torch.Tensor) -> torch.Tensor:
@@ -109,12 +129,41 @@ def _unwrap(value: Any) -> Any:
     return value
 
 
-def _wrap(value: Any) -> Any:
+def _wrap(value: Any, index: int = 0) -> Any:
     if isinstance(value, torch.Tensor):
-        return to_npu(value) if value.device.type == "cpu" else value
+        return to_npu(value, index) if value.device.type == "cpu" else value
     if isinstance(value, (list, tuple)):
-        return type(value)(_wrap(v) for v in value)
+        return type(value)(_wrap(v, index) for v in value)
     return value
+
+
+def _indices(value: Any, found: set[int]) -> None:
+    """The device indices of the npu tensors in ``value`` (an argument), into ``found``."""
+    if isinstance(value, torch.Tensor):
+        if value.device.type == DEVICE_TYPE:
+            found.add(value.device.index or 0)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _indices(v, found)
+
+
+def _result_index(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """With several devices: the index an op's results go to (the ``device=`` argument's, else
+    its npu arguments', else the current device); arguments on two devices are refused as
+    torch refuses them."""
+    device = kwargs.get("device")
+    if device is not None and torch.device(device).type == DEVICE_TYPE:
+        return _device_index(device)
+    found: set[int] = set()
+    for v in args:
+        _indices(v, found)
+    for v in kwargs.values():
+        _indices(v, found)
+    if len(found) > 1:
+        first, second = sorted(found)[:2]
+        raise RuntimeError("Expected all tensors to be on the same device, but found at least two "
+                           f"devices, npu:{first} and npu:{second}!")
+    return found.pop() if found else int(_state["current"])
 
 
 def _alias(info: Any) -> str | None:
@@ -159,9 +208,15 @@ def call_on_cpu(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[s
     plan = _plans.get(op)
     if plan is None:
         plan = _plans[op] = _Plan(op)
+    index = _result_index(args, kwargs) if _state["count"] > 1 else 0
     cpu_args = tuple(_unwrap(v) for v in args)
     cpu_kwargs = {k: _unwrap(v) for k, v in kwargs.items()} if kwargs else kwargs
-    out = op(*cpu_args, **cpu_kwargs)
+    try:
+        out = op(*cpu_args, **cpu_kwargs)
+    except (RuntimeError, NotImplementedError) as exc:
+        # the CPU kernel refused what the NPU takes: a Python number in a Tensor argument, a
+        # dtype the CPU has no kernel for (_cpu_gaps)
+        out = _cpu_gaps.retry(op, cpu_args, cpu_kwargs, exc)
     written: dict[str, Any] = {}
     for i, name, alias in plan.written:
         original = args[i] if i < len(args) else kwargs.get(name)
@@ -173,14 +228,15 @@ def call_on_cpu(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[s
     if not returns:
         return None
     if len(returns) == 1:
-        return _result(returns[0], out, written, to_device)
-    return tuple(_result(r, v, written, to_device) for r, v in zip(returns, out, strict=True))
+        return _result(returns[0], out, written, to_device, index)
+    return tuple(_result(r, v, written, to_device, index) for r, v in zip(returns, out, strict=True))
 
 
-def _result(alias: str | None, value: Any, written: dict[str, Any], to_device: bool) -> Any:
+def _result(alias: str | None, value: Any, written: dict[str, Any], to_device: bool,
+            index: int) -> Any:
     if alias is not None and alias in written:
         return written[alias]  # an in-place or out= op returns its own (npu) argument
-    return _wrap(value) if to_device else value
+    return _wrap(value, index) if to_device else value
 
 
 def _fallback(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
@@ -189,15 +245,31 @@ def _fallback(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
 
 def _empty_strided(size: Any, stride: Any, dtype: Any = None, layout: Any = None,
                    device: Any = None, pin_memory: Any = None) -> torch.Tensor:
+    index = _device_index(device)
     _state["initialized"] = True
-    return to_npu(torch.empty_strided(size, stride, dtype=dtype))
+    return to_npu(torch.empty_strided(size, stride, dtype=dtype), index)
 
 
 def _empty(size: Any, dtype: Any = None, layout: Any = None, device: Any = None,
            pin_memory: Any = None, memory_format: Any = None) -> torch.Tensor:
+    index = _device_index(device)
     _state["initialized"] = True
     return to_npu(torch.empty(size, dtype=dtype,
-                              memory_format=memory_format or torch.contiguous_format))
+                              memory_format=memory_format or torch.contiguous_format), index)
+
+
+def _shallow_copy_compatible(self: torch.Tensor, other: torch.Tensor) -> bool:
+    """torch_npu's rule: two dense tensors, each on the CPU or the npu, are compatible."""
+    dense = (self.layout == torch.strided and other.layout == torch.strided
+             and self.device.type in _DENSE and other.device.type in _DENSE)
+    return dense or torch._C._dispatch_keys(self) == torch._C._dispatch_keys(other)
+
+
+_DENSE = ("cpu", DEVICE_TYPE)
+
+
+def _pin_memory(self: torch.Tensor, device: Any = None) -> torch.Tensor:
+    return torch.empty_like(self).copy_(self)
 
 
 def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
@@ -210,6 +282,14 @@ def _register_kernels() -> list[Library]:
     aten.impl("empty_strided", _empty_strided, "PrivateUse1")
     aten.impl("empty.memory_format", _empty, "PrivateUse1")
     aten.impl("_copy_from", _copy_from, "PrivateUse1")
+    # CPU and npu tensors are shallow-copy compatible, as torch_npu makes them: Module.to("npu")
+    # keeps the Parameter objects (param.data = npu tensor), so an optimizer built before sees
+    # the parameters it updates
+    for key in ("AutogradPrivateUse1", "PrivateUse1"):
+        aten.impl("_has_compatible_shallow_copy_type", _shallow_copy_compatible, key)
+    # pin_memory() (a DataLoader's pin_memory=True, transformers' Trainer's default) asks the
+    # accelerator's host allocator, which a Python backend cannot give: host memory is a copy
+    aten.impl("_pin_memory", _pin_memory, "CPU")
     every = Library("_", "IMPL")
     every.fallback(_fallback, dispatch_key="PrivateUse1")
     return [aten, every]
@@ -260,15 +340,55 @@ def drop_op_kernels() -> None:
 
 # -- torch.npu -------------------------------------------------------------------------------
 
-def _check_index(device: Any) -> int:
+DEVICES_ENV = "OPCONTRACTS_EMULATE_DEVICES"
+MAX_DEVICES = 64
+
+
+def devices_setting(value: str | None = None) -> int:
+    """The number of npu devices to emulate: ``value``, else ``OPCONTRACTS_EMULATE_DEVICES``,
+    else 1.  Raises SettingError naming the variable on anything but a whole number from 1 to
+    ``MAX_DEVICES``."""
+    from ..errors import SettingError
+
+    raw = os.environ.get(DEVICES_ENV) if value is None else value
+    if raw is None or not raw.strip():
+        return 1
+    text = raw.strip()
+    count = int(text) if text.isdigit() else 0
+    if not 1 <= count <= MAX_DEVICES:
+        where = DEVICES_ENV if value is None else "devices"
+        raise SettingError(f"{where}={raw!r}: expected the number of npu devices to emulate, a "
+                           f"whole number from 1 to {MAX_DEVICES} (e.g. {DEVICES_ENV}=8)")
+    return count
+
+
+def _invalid_device(index: int) -> RuntimeError:
+    """torch_npu's error for a device the machine does not have (aclrtSetDevice's 107001)."""
+    count = int(_state["count"])
+    return RuntimeError(
+        f"NPU function error: c10_npu::SetDevice(device_id_), error code is 107001 (invalid "
+        f"device id {index}: rtSetDevice execute failed, reason=[device id error]). The "
+        f"emulation has {count} npu device{'s' if count > 1 else ''} (npu:0 to npu:{count - 1}); "
+        f"emulate more with {DEVICES_ENV}=N or opcontracts run --emulate --devices N")
+
+
+def _device_index(device: Any) -> int:
+    """The index ``device`` (an index, "npu:1", a torch.device, None: the current one) names,
+    refused as torch_npu refuses it when the emulation has no such device."""
     if device is None:
         return int(_state["current"])
-    index = device.index if isinstance(device, torch.device) else (
-        torch.device(device).index if isinstance(device, str) else int(device))
-    index = 0 if index is None else index
-    if not 0 <= index < 1:
-        raise RuntimeError(f"npu device {index} is not available: the emulated npu has one "
-                           "device (npu:0)")
+    if isinstance(device, torch.device):
+        index = device.index
+    elif isinstance(device, str):
+        index = torch.device(device).index
+    else:
+        index = int(device)
+    if index is None:
+        return int(_state["current"])
+    if index < 0:
+        raise RuntimeError("device id must be positive!")
+    if index >= int(_state["count"]):
+        raise _invalid_device(index)
     return index
 
 
@@ -280,20 +400,20 @@ def _build_module() -> types.ModuleType:
         return installed()
 
     def device_count() -> int:
-        return 1 if installed() else 0
+        return int(_state["count"]) if installed() else 0
 
     def current_device() -> int:
         return int(_state["current"])
 
     def set_device(device: Any) -> None:
-        _state["current"] = _check_index(device)
+        _state["current"] = _device_index(device)
         _state["initialized"] = True
 
     def synchronize(device: Any = None) -> None:
-        _check_index(device)  # the CPU has finished every kernel when it returns
+        _device_index(device)  # the CPU has finished every kernel when it returns
 
     def get_device_name(device: Any = None) -> str:
-        _check_index(device)
+        _device_index(device)
         return str(_state["soc"])
 
     def is_initialized() -> bool:
@@ -305,13 +425,36 @@ def _build_module() -> types.ModuleType:
     def noop_seed_all(seed: int) -> None:
         pass  # torch.manual_seed calls this after seeding the CPU generator, which npu ops use
 
+    def get_amp_supported_dtype() -> list[torch.dtype]:
+        return [torch.float16, torch.bfloat16]
+
+    def is_bf16_supported() -> bool:
+        # the A2 / A3 training chips (Ascend910B*, Ascend910_93*) and later; not the 910A
+        soc = str(_state["soc"])
+        return soc.startswith(("Ascend910B", "Ascend910_93", "Ascend950"))
+
+    def get_autocast_dtype() -> torch.dtype:
+        return torch.get_autocast_dtype(DEVICE_TYPE)
+
+    def set_autocast_dtype(dtype: torch.dtype) -> None:
+        torch.set_autocast_dtype(DEVICE_TYPE, dtype)
+
+    def is_autocast_enabled() -> bool:
+        return torch.is_autocast_enabled(DEVICE_TYPE)
+
+    def set_autocast_enabled(enabled: bool) -> None:
+        torch.set_autocast_enabled(DEVICE_TYPE, enabled)
+
     for fn in (is_available, device_count, current_device, set_device, synchronize,
-               get_device_name, is_initialized, manual_seed):
+               get_device_name, is_initialized, manual_seed, get_amp_supported_dtype,
+               is_bf16_supported, get_autocast_dtype, set_autocast_dtype, is_autocast_enabled,
+               set_autocast_enabled):
         fn.__module__ = mod.__name__
         setattr(mod, fn.__name__, fn)
     mod.manual_seed_all = noop_seed_all  # type: ignore[attr-defined]
     mod._is_in_bad_fork = lambda: False  # type: ignore[attr-defined]
     mod._lazy_init = lambda: None  # type: ignore[attr-defined]
+    mod.amp = _autocast.amp_module(mod.__name__)  # type: ignore[attr-defined]
     mod.__opcontracts_emulation__ = True  # type: ignore[attr-defined]  # a stand-in (_standins.MARKER)
     return mod
 
@@ -337,7 +480,15 @@ class _Hooks(torch._C._acc.PrivateUse1Hooks):  # type: ignore[misc]
 
 class _Guard(torch._C._acc.DeviceGuard):  # type: ignore[misc]
     def type_(self) -> Any:
-        return torch._C._autograd.DeviceType.PrivateUse1
+        # torch's Python device guard asks this on every guard, also while C++ unwinds an
+        # exception a Python hook raised on the backward thread, with that exception still
+        # pending: it is taken here, or the call would fail inside a noexcept destructor and
+        # abort the process (_backward_engine)
+        _backward_engine.take_pending()
+        return _PRIVATEUSE1
+
+
+_PRIVATEUSE1 = torch._C._autograd.DeviceType.PrivateUse1
 
 
 def reported_soc() -> str:
@@ -375,20 +526,30 @@ def reserve() -> None:
         _module = mod  # torch.npu from now on (torch.compile asks a renamed backend for it)
 
 
-def install(soc: str = DEFAULT_SOC) -> None:
-    """Register the ``npu`` device (idempotent; again only changes the SoC it reports).
+def install(soc: str = DEFAULT_SOC, devices: int | None = None) -> None:
+    """Register the ``npu`` device (idempotent; again only changes the SoC it reports and the
+    number of devices).  ``devices``: how many (``npu:0`` ... ``npu:N-1``); None: the
+    ``OPCONTRACTS_EMULATE_DEVICES`` environment variable, else 1 (SettingError when it is not
+    a number from 1 to ``MAX_DEVICES``).
 
     Raises RuntimeError when PrivateUse1 is already another backend (it can be named once),
     and when this process ran a backward before the device was reserved (see :func:`reserve`).
     """
+    count = devices_setting() if devices is None else devices_setting(str(devices))
     with _lock:
         _state["soc"] = soc  # opcontracts.set_versions() re-detects a SoC changed here
+        _state["count"] = count
+        if int(_state["current"]) >= count:
+            _state["current"] = 0
         if _libs:
             return
         reserve()
         assert _module is not None
         _libs.extend(_register_kernels())
+        _libs.extend(_autocast.register())
+        _backward_engine.install(lambda: int(_state["count"]) > 1)
         sys.modules["torch_npu.npu"] = _module
+        sys.modules["torch_npu.npu.amp"] = _module.amp
         parent = sys.modules.get("torch_npu")
         if parent is not None:
             parent.npu = _module  # type: ignore[attr-defined]
@@ -422,10 +583,13 @@ def uninstall() -> None:
         drop_op_kernels()
         while _libs:
             _libs.pop()._destroy()
+        _backward_engine.uninstall()
         if _module is None:
             return
         if sys.modules.get("torch_npu.npu") is _module:
             del sys.modules["torch_npu.npu"]
+        if sys.modules.get("torch_npu.npu.amp") is _module.amp:
+            del sys.modules["torch_npu.npu.amp"]
         parent = sys.modules.get("torch_npu")
         if parent is not None and getattr(parent, "npu", None) is _module:
             delattr(parent, "npu")

@@ -158,8 +158,11 @@ def _cmd_diff(ns: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- digest
 def _cmd_digest(ns: argparse.Namespace) -> int:
+    from .._jsonout import check_writable
     from . import _source, digest
 
+    if ns.output and not ns.check:
+        check_writable(ns.output, "-o")  # before reading the wheels (OutputError: exit 2)
     try:
         wheels = _source.read_wheels(ns.sources)
         data = digest.build(wheels)

@@ -43,6 +43,7 @@ from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any, TypeVar
 
+from .._jsonout import replace_bytes
 from ._bindings import parse_bindings
 from ._docs import OpDoc, parse_docs
 from ._meta import MetaKernel, parse_meta
@@ -165,8 +166,7 @@ def dumps(data: dict[str, Any]) -> bytes:
 def save(data: dict[str, Any], path: str | Path) -> int:
     """Write the digest; returns its size in bytes."""
     blob = dumps(data)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)  # -o into a new folder
-    Path(path).write_bytes(blob)
+    replace_bytes(path, blob)  # whole or not at all; -o into a new folder: created
     return len(blob)
 
 

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .._jsonout import replace_text
 from ._docs import ArgDoc
 from .digest import Digest, Release
 
@@ -300,7 +301,7 @@ def write(drafts: list[Draft], folder: str | Path) -> list[Path]:
     paths = []
     for dr in drafts:
         f = p / f"{dr.op}.toml"
-        f.write_text(dr.text, encoding="utf-8")
+        replace_text(f, dr.text)
         paths.append(f)
     return paths
 

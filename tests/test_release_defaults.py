@@ -1,0 +1,86 @@
+"""A call is judged as its kernel sees it: arguments left out at the release's schema default,
+and value rules scoped by the release whose glue decides them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+import opcontracts
+from opcontracts import Arg, Contract, ContractViolation
+from opcontracts._engine.registry import merge_contracts
+from opcontracts.wheel.release_params import params_for
+
+
+@contextmanager
+def _stack(**pins: str) -> Iterator[None]:
+    prev = opcontracts.set_versions(**pins)
+    try:
+        yield
+    finally:
+        opcontracts.set_versions(**prev)
+
+
+def _init_routing_args() -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(4, 64, dtype=torch.float16)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 0], [3, 2]], dtype=torch.int32)
+    return x, ids
+
+
+def test_params_come_from_the_release_schema_with_defaults() -> None:
+    params = params_for(("torch.ops.npu.npu_moe_init_routing_v2",), "2.10.0.post4")
+    assert params is not None
+    flag = next(p for p in params if p.name == "expert_tokens_num_flag")
+    assert flag.has_default and flag.default is False and flag.kind == "KEYWORD_ONLY"
+    assert params_for(("torch.ops.npu.npu_moe_init_routing_v2",), None) is None
+    assert params_for(("torch.ops.npu.npu_moe_init_routing_v2",), "0.0.1") is None
+    assert params_for(("mindspeed.ops.gmm.npu_gmm",), "2.10.0.post4") is None
+
+
+def test_a_left_out_flag_is_judged_at_its_default_and_the_310p_call_passes() -> None:
+    # vllm-ascend's 310P AllGather dispatch leaves expert_tokens_num_flag at its default False;
+    # op-plugin's docs allow False (no count output), so it must not be a false alarm
+    x, ids = _init_routing_args()
+    with _stack(torch_npu="2.10.0.post4", cann="9.1.0", soc="Ascend310P3"):
+        opcontracts.check("npu_moe_init_routing_v2", x, ids, active_num=8, expert_num=4,
+                          drop_pad_mode=0, active_expert_range=[0, 4], quant_mode=-1,
+                          row_idx_type=0)
+        # the default is read: a rule on a left-out argument still bites (drop_pad_mode 1)
+        with pytest.raises(ContractViolation, match="drop_pad_mode"):
+            opcontracts.check("npu_moe_init_routing_v2", x, ids, active_num=8, expert_num=4,
+                              drop_pad_mode=1)
+
+
+def _ksplit() -> tuple[list[torch.Tensor], list[torch.Tensor], dict[str, object]]:
+    x = [torch.randn(64, 20, dtype=torch.bfloat16)]
+    w = [torch.randn(20, 32, dtype=torch.bfloat16)]
+    return x, w, {"bias": None, "group_list": torch.tensor([5, 6, 4, 5]), "split_item": 3,
+                  "group_type": 2, "group_list_type": 1}
+
+
+@pytest.mark.parametrize("release", ["2.5.1", "2.7.1", "2.8.0.post2", "2.9.0"])
+def test_the_k_split_is_rejected_where_the_release_glue_rejects_it(release: str) -> None:
+    x, w, kw = _ksplit()
+    with _stack(torch_npu=release, cann="8.2.RC1", soc="Ascend910B3"):
+        with pytest.raises(ContractViolation, match="group_type") as exc:
+            opcontracts.check("npu_grouped_matmul", x, w, **kw)
+    assert "only support -1 and 0" in str(exc.value)
+
+
+@pytest.mark.parametrize("release", ["2.7.1.post4", "2.8.0.post4", "2.9.0.post2", "2.14.0"])
+def test_the_k_split_passes_from_the_releases_that_have_it(release: str) -> None:
+    x, w, kw = _ksplit()
+    with _stack(torch_npu=release, cann="8.3.RC1", soc="Ascend910B3"):
+        opcontracts.check("npu_grouped_matmul", x, w, **kw)
+
+
+def test_merged_contracts_allow_only_the_values_both_allow() -> None:
+    a = Contract("op", {"mode": Arg(allowed=[-1, 0, 2], optional=True)})
+    b = Contract("op", {"mode": Arg(allowed=[0, -1], optional=True)})
+    assert merge_contracts([a, b]).args["mode"].allowed == (-1, 0)
+    assert merge_contracts([b, a]).args["mode"].allowed == (0, -1)
+    c = Contract("op", {"mode": Arg(allowed=[5], optional=True)})
+    assert merge_contracts([a, c]).args["mode"].allowed == (5,)  # disjoint: the narrower one
