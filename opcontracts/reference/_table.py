@@ -6,6 +6,7 @@ from . import (
     _examples,
     _fam_attention,
     _fam_gemm_comm,
+    _fam_misc,
     _fam_moe_serving,
     _fam_norm_quant,
     _grads,
@@ -119,4 +120,4 @@ SHIPPED: tuple[Reference, ...] = (
 
 # the families: each family module holds its own entries
 SHIPPED += (_fam_attention.REFERENCES + _fam_norm_quant.REFERENCES + _fam_gemm_comm.REFERENCES
-            + _fam_moe_serving.REFERENCES)
+            + _fam_moe_serving.REFERENCES + _fam_misc.REFERENCES)
