@@ -330,6 +330,10 @@ PACKS: dict[str, tuple[str, Callable[[Contract], bool]]] = {
         f"torch_npu.{c.op}", f"torch.ops.npu.{c.op}"}),
     "mindspeed/": (_TORCH_NPU_SOURCE, lambda c: all(
         t.startswith(("mindspeed.ops.", "mindspeed.core.")) for t in c.targets)),
+    # ATB's plugin ops: op-plugin's glue (the schema) at a commit, then the ATB operator doc
+    "atb/": (r"Ascend/op-plugin@[0-9a-f]{12}, op_plugin/ops/atb/.*CANN \d+\.\d+\.\w+ "
+             r"Ascend Transformer Boost API", lambda c: c.op.startswith("atb.") and set(
+                 c.targets) == {f"torch.ops.atb.{c.op.removeprefix('atb.')}"}),
     "fla_npu/": (r"flashserve/flash-linear-attention-npu@[0-9a-f]{12}, fla/ops/",
                  lambda c: c.op.startswith("fla_npu.") and set(c.targets) == {
                      f"torch.ops.npu.{c.op.removeprefix('fla_npu.')}"}),
@@ -341,6 +345,8 @@ def _pack_of(c: Contract) -> str:
         return "mindspeed/"
     if c.op.startswith("fla_npu."):
         return "fla_npu/"
+    if c.op.startswith("atb."):
+        return "atb/"
     return "torch_npu/"
 
 

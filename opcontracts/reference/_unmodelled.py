@@ -66,6 +66,10 @@ UNMODELLED: Mapping[str, str] = MappingProxyType({
     "npu_block_sparse_attention": "the doc does not say how a block of the mask maps onto "
                                   "partial blocks at the sequence ends, nor what "
                                   "inner_precise changes",
+    "atb._npu_reshape_and_cache": "the emulation stands in for torch_npu's npu namespace only, "
+                                  "not for ATB's plugin (torch.ops.atb); and the op returns "
+                                  "nothing (it writes the caches in place), which the compare "
+                                  "and the probe (outputs only) cannot judge",
     "fla_npu.npu_recompute_w_u_fwd": _FLA,
     "fla_npu.npu_chunk_gated_delta_rule_fwd_h": _FLA,
     "fla_npu.npu_chunk_fwd_o": _FLA,
