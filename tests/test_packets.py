@@ -236,8 +236,10 @@ def test_atb_ops_loaded_after_the_patch_are_guarded_in_place(late_atb_library: l
     torch.ops.load_library("libop_plugin_atb.so")
     op = torch.ops.atb._oc_reshape_and_cache
     assert type(op) is packets.GuardedPacket and target not in patch.pending()
-    # nothing atb is pending any more: load_library is torch's (here the stand-in) again
-    assert vars(torch.ops)["load_library"] is fake_loader
+    # the watch stays while an atb target is pending (a shipped contract's, when the registry
+    # holds them) and goes with the last one
+    atb_pending = any(t.startswith("torch.ops.atb.") for t in patch.pending())
+    assert (vars(torch.ops)["load_library"] is fake_loader) is not atb_pending
     key, cache = torch.ones(2, 4), torch.zeros(8, 4)
     op(key, cache, torch.tensor([0, 3], dtype=torch.int32))
     with opcontracts.mode("strict"), pytest.raises(ContractViolation, match="slot_indices"):
