@@ -344,6 +344,10 @@ def probe(op: str, *, seed: int = 0) -> ProbeReport:
     t0 = time.perf_counter()
     ref = reference.get(op)
     if ref is None or ref.example is None:
+        why = reference.unmodelled(op)
+        if why is not None:  # a shipped op without a reference: say why, not the whole list
+            raise LookupError(f"no reference with example inputs for {op!r}: {why} (its "
+                              "contract still guards its calls)")
         known = ", ".join(n for n in reference.names() if reference.get(n).example)  # type: ignore[union-attr]
         raise LookupError(f"no reference with example inputs for {op!r}; probe-able ops: {known}")
     contract = _contract(ref.name)

@@ -616,6 +616,39 @@ def test_compute_expert_tokens(emu: types.ModuleType) -> None:
     assert out.dtype == torch.int32 and out.tolist() == [2, 2, 5, 6, 6]
 
 
+def test_sign_bits_pack_and_unpack_as_the_doc_shows(emu: types.ModuleType) -> None:
+    """torch_npu's doc example: 14 values padded with -1, bit i of a byte is value i's sign."""
+    x = torch.tensor([5, 4, 3, 2, 0, -1, -2, 4, 3, 2, 1, 0, -1, -2], dtype=torch.float32)
+    packed = check_fake(npu.npu_sign_bits_pack, x, 2)
+    assert packed.dtype == torch.uint8 and packed.tolist() == [[159], [15]]
+    signs = check_fake(npu.npu_sign_bits_unpack, torch.tensor([159, 15], dtype=torch.uint8), 2,
+                       torch.float32)
+    assert signs.tolist() == [[1, 1, 1, 1, 1, -1, -1, 1], [1, 1, 1, 1, -1, -1, -1, -1]]
+
+
+def test_scatter_nd_update_writes_into_self_and_returns_it(emu: types.ModuleType) -> None:
+    cache = torch.zeros(4, 2, dtype=torch.float16)
+    out = npu.npu_scatter_nd_update_(cache, torch.tensor([[1], [3], [9]]),
+                                     torch.ones(3, 2, dtype=torch.float16))
+    assert out is cache  # the schema's Tensor(a!): the same tensor back
+    assert cache.tolist() == [[0, 0], [1, 1], [0, 0], [1, 1]]  # index 9: out of range, dropped
+
+
+def test_scaled_masked_softmax_masks_where_the_mask_is_true(emu: types.ModuleType) -> None:
+    x = torch.randn(1, 1, 32, 32)
+    mask = torch.ones(32, 32, dtype=torch.bool).triu(1).view(1, 1, 32, 32)
+    y = check_fake(npu.npu_scaled_masked_softmax, x, mask, 0.5, False)
+    close(y, torch.softmax((x * 0.5).masked_fill(mask, float("-inf")), -1), 1e-6)
+    close(npu.npu_scaled_masked_softmax(x, torch.zeros_like(mask), 0.5, True), y, 1e-6)
+
+
+def test_dynamic_block_quant_scales_per_block(emu: types.ModuleType) -> None:
+    x = torch.cat([torch.full((2, 128), 0.5), torch.full((2, 72), -2.0)], 1).bfloat16()
+    y, scale = check_fake(npu.npu_dynamic_block_quant, x)
+    assert scale.shape == (2, 2) and torch.allclose(scale, torch.tensor([0.5, 2.0]) / 127)
+    assert (y[:, :128] == 127).all() and (y[:, 128:] == -127).all()
+
+
 # --------------------------------------------------------------------------- grouped matmul
 
 

@@ -194,3 +194,70 @@ def test_torch_npu_onnx_rebinding_a_name_after_the_patch_is_still_checked(npu: A
         assert npu.npu_rms_norm is wrapper and type(packet) is Packet
     finally:
         npu.npu_rms_norm = packet
+
+
+# --------------------------------------------------------------------------- torch.ops.atb
+@pytest.fixture
+def late_atb_library(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
+    """``torch.ops.load_library`` stood in for by what loading torch_npu's ATB plugin
+    (libop_plugin_atb.so) does: define ops in the ``atb`` namespace (here, one fake op)."""
+    libs: list[Any] = []
+
+    def load_library(path: str) -> None:
+        lib = torch.library.Library("atb", "FRAGMENT")
+        lib.define("_oc_reshape_and_cache(Tensor key, Tensor(a!) key_cache, "
+                   "Tensor slot_indices) -> ()")
+        lib.impl("_oc_reshape_and_cache", lambda key, key_cache, slot_indices: None,
+                 "CompositeExplicitAutograd")
+        libs.append(lib)
+
+    monkeypatch.setattr(torch.ops, "load_library", load_library, raising=False)
+    was = patch.is_applied()
+    patch.unpatch()
+    try:
+        yield libs
+    finally:
+        patch.unpatch()
+        for lib in libs:
+            lib._destroy()
+        if was:
+            patch.apply()
+
+
+def test_atb_ops_loaded_after_the_patch_are_guarded_in_place(late_atb_library: list[Any]
+                                                             ) -> None:
+    """dlinfer loads the ATB plugin with torch.ops.load_library after torch_npu: no import
+    announces the atb ops, so the patch retries its pending atb targets after each load."""
+    target = "torch.ops.atb._oc_reshape_and_cache"
+    fake_loader = vars(torch.ops)["load_library"]
+    patch.apply([Contract("atb._oc_reshape_and_cache", {"slot_indices": Arg("int32", "N")},
+                          targets=[target], source="test")])
+    assert target in patch.pending()
+    torch.ops.load_library("libop_plugin_atb.so")
+    op = torch.ops.atb._oc_reshape_and_cache
+    assert type(op) is packets.GuardedPacket and target not in patch.pending()
+    # the watch stays while an atb target is pending (a shipped contract's, when the registry
+    # holds them) and goes with the last one
+    atb_pending = any(t.startswith("torch.ops.atb.") for t in patch.pending())
+    assert (vars(torch.ops)["load_library"] is fake_loader) is not atb_pending
+    key, cache = torch.ones(2, 4), torch.zeros(8, 4)
+    op(key, cache, torch.tensor([0, 3], dtype=torch.int32))
+    with opcontracts.mode("strict"), pytest.raises(ContractViolation, match="slot_indices"):
+        op(key, cache, torch.tensor([0, 3]))  # int64 slots
+    patch.unpatch()
+    assert type(op) is Packet
+
+
+def test_a_pending_atb_target_is_reported_and_unpatch_removes_the_watch(
+        late_atb_library: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_loader = vars(torch.ops)["load_library"]
+    monkeypatch.setitem(sys.modules, "torch_npu", sys.modules.get("torch_npu")
+                        or type(sys)("torch_npu"))  # torch_npu imported, the plugin not loaded
+    target = "torch.ops.atb._oc_not_loaded"
+    patch.apply([Contract("atb._oc_not_loaded", {"x": Arg("bf16", "N")}, targets=[target],
+                          source="test")])
+    assert target in patch.pending()
+    assert "libop_plugin_atb.so" in patch.missing()[target]  # says what would register it
+    assert vars(torch.ops)["load_library"] is not fake_loader  # watched while pending
+    patch.unpatch()
+    assert vars(torch.ops)["load_library"] is fake_loader

@@ -78,7 +78,7 @@ def test_mindspeed_wrappers_absolute_and_relative(tmp_path: Path) -> None:
 def test_guarded_depends_on_the_stacks_judged(tmp_path: Path) -> None:
     # permute/unpermute are absent before torch_npu 2.7.1: their contracts name later releases
     (tmp_path / "m.py").write_text("import torch_npu\ntorch_npu.npu_moe_token_unpermute(1, 2)\n"
-                                   "torch_npu.npu_hans_encode(1)\n")
+                                   "torch_npu.npu_nms_v4(1)\n")
     here = scan([tmp_path])
     assert [s.status for s in here.sites] == ["guarded", "unknown"]
     old = scan([tmp_path], targets=["torch_npu=2.5.1"])
@@ -114,15 +114,15 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 def test_cli_text_json_and_exit_codes(tmp_path: Path) -> None:
     (tmp_path / "m.py").write_text("import torch_npu\ntorch_npu.npu_swiglu(1)\n"
-                                   "torch_npu.npu_hans_encode(1)\n")
+                                   "torch_npu.npu_nms_v4(1)\n")
     out = _cli(".", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "2 fused-op call site(s) in 1 file(s); 1 guarded (50%), 1 not" in out.stdout
-    assert "torch_npu.npu_hans_encode" in out.stdout and "no contract: m.py:3" in out.stdout
+    assert "torch_npu.npu_nms_v4" in out.stdout and "no contract: m.py:3" in out.stdout
     assert _cli(".", "--fail-unguarded", cwd=tmp_path).returncode == 1
     data = json.loads(_cli(".", "--json", cwd=tmp_path).stdout)
     assert data["totals"] == {"sites": 2, "guarded": 1, "unguarded": 1}
-    assert data["ops"]["torch_npu.npu_hans_encode"] == {"sites": 1, "status": "unknown"}
+    assert data["ops"]["torch_npu.npu_nms_v4"] == {"sites": 1, "status": "unknown"}
     missing = _cli("nowhere", cwd=tmp_path)
     assert missing.returncode == 2 and "nowhere" in missing.stderr
     assert "Traceback" not in missing.stderr

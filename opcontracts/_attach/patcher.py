@@ -4,7 +4,8 @@ Kinds of target (a dotted path in a contract's ``targets``):
 
 * a module attribute (``torch_npu.npu_swiglu``, ``mindspeed.ops.gmm.npu_gmm``): a function or
   an ``OpOverloadPacket``;
-* an op packet in a ``torch.ops`` namespace (``torch.ops.npu.npu_swiglu``);
+* an op packet in a ``torch.ops`` namespace (``torch.ops.npu.npu_swiglu``,
+  ``torch.ops.atb._npu_paged_attention``: ``namespaces`` says what fills each);
 * a class attribute (``pkg.mod.Class.method``), including ``staticmethod``/``classmethod``;
 * a ``torch.autograd.Function`` subclass (``pkg.mod.MyFunction``): its ``apply`` is guarded.
 
@@ -37,7 +38,7 @@ from .._engine import registry
 from .._engine.compile import CompiledContract
 from .._engine.enforce import compiled_for, make_guard, params_of
 from .._engine.sweep import holding
-from . import packets
+from . import namespaces, packets
 from .kernels import SLOTS, KernelGuards, reached_from_cpp
 
 __all__ = ["Patcher", "PatchRecord"]
@@ -181,6 +182,8 @@ class Patcher:
         self.hook: _ImportHook | None = None
         self.active = False
         self.kernels = KernelGuards()  # backward ops, guarded at the dispatcher
+        # torch.ops namespaces filled by torch.ops.load_library (torch.ops.atb), not an import
+        self.libraries = namespaces.LibraryWatch(self._on_library_loaded)
 
     # ------------------------------------------------------------------ public-ish
     def apply(self, targets: Iterable[tuple[str, Iterable[str]]]) -> None:
@@ -206,6 +209,7 @@ class Patcher:
             self.pending.clear()
             self.missing.clear()
             self.watched = frozenset()
+            self.libraries.remove()
             if self.hook is not None:
                 try:
                     sys.meta_path.remove(self.hook)
@@ -233,6 +237,12 @@ class Patcher:
             if self.active:
                 if name == packets.DYNAMO:
                     packets.register_with_dynamo()
+                self._retry_pending()
+
+    def _on_library_loaded(self) -> None:
+        """``torch.ops.load_library`` loaded a library: its namespace's ops may be there now."""
+        with self.lock:
+            if self.active:
                 self._retry_pending()
 
     # ------------------------------------------------------------------ internals
@@ -264,6 +274,7 @@ class Patcher:
         if dynamo:
             watched.add(packets.DYNAMO)  # packets guarded in place: dynamo must know them
         self.watched = frozenset(watched)
+        self.libraries.sync(self.pending)
         if (self.pending or dynamo) and self.hook is None:
             self.hook = _ImportHook(self)
             sys.meta_path.insert(0, self.hook)
@@ -328,8 +339,9 @@ class Patcher:
         except (AttributeError, RuntimeError):
             if isinstance(owner, torch._ops._OpNamespace):
                 if "torch_npu" not in sys.modules:
-                    return "pending"  # torch.ops.npu before torch_npu registers its ops
-                return f"torch.ops.{owner.name} has no op {attr!r} (torch_npu is imported)"
+                    return "pending"  # torch.ops.npu / .atb before torch_npu registers them
+                # kept pending: an import (npu) or a loaded library (atb) may still add it
+                return namespaces.missing_op(owner.name, attr)
             if isinstance(owner, types.ModuleType) and _may_appear(owner, attr):
                 return "pending"
             # kept pending too (a module may still set it later), but listed as not found

@@ -114,7 +114,9 @@ def _cmd_probe(ns: argparse.Namespace) -> int:
     except (LookupError, ValueError) as exc:
         msg = str(exc)
         unknown = [op for op in ops if op not in probeable and msg.find(repr(op)) >= 0]
-        if unknown:  # a typo: the near matches, not every name
+        # a typo: the near matches, not every name (a shipped op without a reference: the
+        # message already says why it has none)
+        if unknown and reference.unmodelled(unknown[0]) is None:
             from .._engine.registry import near_names
 
             near = near_names(unknown[0], probeable)

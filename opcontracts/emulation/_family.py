@@ -23,7 +23,8 @@ grads) -> {arg: grad}``, ``AUTOGRAD`` (autograd through the reference's forward)
 ``NO_DERIVATIVE`` (torch_npu has none: a backward through the op raises, as torch_npu's
 not-implemented fallback does) or None (no autograd kernel: PyTorch's fallback).
 ``release_only=True``: only the releases whose schemas have the op define it (the routing-map
-grad ops, from 2.6.0.post3).
+grad ops, from 2.6.0.post3).  ``writes="self"``: an in-place op (``npu_scatter_nd_update_``);
+its kernel writes the reference's result into that argument and returns it.
 
 Nothing here imports the enforcer: the emulation stays below everything that checks calls.
 """
@@ -53,7 +54,7 @@ NO_DERIVATIVE = "no derivative"
 ``RuntimeError: derivative for 'npu::<op>' is not implemented``, as on the NPU."""
 
 FAMILIES = ("_fam_attention", "_fam_norm_quant", "_fam_gemm_comm", "_fam_moe_serving",
-            "_fam_moe_token", "_fam_quant_prep")
+            "_fam_moe_token", "_fam_quant_prep", "_fam_misc")
 """The family modules of this package, in registration order."""
 
 DIGEST_RELEASE = "2.14.0"
@@ -74,6 +75,9 @@ class EmulatedOp:
     release_only: bool = False
     """defined only in the releases whose schemas (the wheel digest) have the op, with that
     release's schema (``_ops.register``)"""
+    writes: str | None = None
+    """the argument an in-place op writes and returns (``Tensor(a!) self -> Tensor(a!)``): the
+    kernel copies the reference's result into it (the reference itself never writes)"""
 
     def profile(self, name: str) -> dict[str, tuple[str, ...]]:
         """The dtypes this kernel reads correctly under profile ``name``."""

@@ -75,6 +75,8 @@ class OpDef:
     backward: BackwardFn | None = None
     release_only: bool = False
     """registered only where the installed release defines the op (``_release``)"""
+    writes: str | None = None
+    """the argument an in-place op writes and returns (``EmulatedOp.writes``)"""
 
 
 def _reference(name: str) -> Callable[..., Any]:
@@ -96,7 +98,7 @@ OPS: tuple[OpDef, ...] = tuple(
     for name in _FIRST_PACKS
 ) + tuple(
     OpDef(name=op.name, schema=SCHEMAS[op.name], kernel=_reference(op.name), fake=op.fake,
-          backward=backward_of(op), release_only=op.release_only)
+          backward=backward_of(op), release_only=op.release_only, writes=op.writes)
     for op in all_ops()
 )
 # The ops later releases route the MoE token ops through: same aclnn kernels (and profiles:
@@ -224,6 +226,22 @@ def _opaque(fn: Callable[..., Any]) -> Callable[..., Any]:
     return kernel
 
 
+def _writing_into(kernel: Callable[..., Any], reference_fn: Callable[..., Any], arg: str
+                  ) -> Callable[..., Any]:
+    """An in-place op's kernel: the reference's result (``kernel``) copied into argument
+    ``arg`` (as the caller passed it, not the profile's view of it), which is returned."""
+    signature = inspect.signature(reference_fn)
+
+    @functools.wraps(reference_fn)
+    def entry(*args: Any, **kwargs: Any) -> Any:
+        target = signature.bind(*args, **kwargs).arguments[arg]
+        result = kernel(*args, **kwargs)
+        target.copy_(result.to(target.dtype))
+        return target
+
+    return entry
+
+
 def _exists(name: str) -> bool:
     try:
         getattr(getattr(torch.ops, NAMESPACE), name)
@@ -287,8 +305,10 @@ def _register_op(lib: Library, op: OpDef, backward: BackwardFn | None, internal:
         lib.impl(op.name, autograd_kernel, "Autograd", with_keyset=True)
         lib.impl(op.name, below, "CompositeExplicitAutograd")
     else:
-        lib.impl(op.name, _opaque(_glued(op.name, _through(_raw.kernel_view, view_name, op.kernel))),
-                 "CompositeExplicitAutograd")
+        kernel = _through(_raw.kernel_view, view_name, op.kernel)
+        if op.writes is not None:
+            kernel = _writing_into(kernel, op.kernel, op.writes)
+        lib.impl(op.name, _opaque(_glued(op.name, kernel)), "CompositeExplicitAutograd")
     torch.library.register_fake(
         qualified, _glued(op.name, _through(_raw.fake_view, view_name, op.fake)), lib=lib)
     if backward is not None and not public_only:

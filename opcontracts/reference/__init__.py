@@ -29,7 +29,8 @@ ONE ``Reference(...)`` entry in that module's ``REFERENCES`` (name, forward, exa
 ``backward`` only for a composite formula, ``grad_of`` for a ``*_grad`` op); ``_table.py``
 appends every family's entries.  The emulation's side is one ``EmulatedOp`` entry in the
 emulation's family module of the same name (``opcontracts/emulation/_family.py``).  The ops of
-the first packs keep their entries in ``_table.py``.
+the first packs keep their entries in ``_table.py``.  A shipped op with no reference is listed
+in ``_unmodelled.py`` with the reason (``unmodelled(name)``).
 
 This package imports nothing from the rest of opcontracts (the emulation imports it, never the
 reverse); ``import opcontracts.reference`` does not import torch until a reference is looked up.
@@ -43,7 +44,7 @@ from typing import Any
 
 from ._entry import BackwardFn, Reference
 
-__all__ = ["Reference", "canonical", "get", "names", "register", "unregister"]
+__all__ = ["Reference", "canonical", "get", "names", "register", "unmodelled", "unregister"]
 
 _lock = threading.RLock()
 _refs: dict[str, Reference] = {}
@@ -106,6 +107,14 @@ def get(name: str) -> Reference | None:
     """The reference of op ``name``, or None when it has none."""
     _load()
     return _refs.get(canonical(name))
+
+
+def unmodelled(name: str) -> str | None:
+    """Why shipped op ``name`` has no reference (``_unmodelled.UNMODELLED``), or None: the
+    contract guards its calls; no emulated kernel, compare or probe exists for it."""
+    from ._unmodelled import UNMODELLED
+
+    return UNMODELLED.get(canonical(name))
 
 
 def names() -> list[str]:

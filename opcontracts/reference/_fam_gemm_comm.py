@@ -31,10 +31,11 @@ npu_alltoallv_quant_gmm doc of the same release states the layout; e = gmm_weigh
 On a real multi-rank job the outputs depend on the other ranks' data, which no single-process
 reference sees: a shadow compare of these ops is meaningful at world size 1 only.
 
-MindSpeed's in-place accumulations (``npu_matmul_add_fp32``, ``npu_groupmatmul_add_fp32``) have
+MindSpeed's in-place accumulations (``npu_matmul_add_fp32``, ``npu_groupmatmul_add_fp32``;
+``npu_matmul_add_fp16`` is plain torch in MindSpeed, the stand-in runs it as MindSpeed does) have
 their math here (``matmul_add_fp32``, ``groupmatmul_add_fp32``: out of place), which the
 stand-ins run.  Their ``Reference`` entries return None, as the ops do: the result is written
-into ``grad``, and the shadow compare and the probe judge outputs only, so for these two they
+into ``grad``, and the shadow compare and the probe judge outputs only, so for these they
 judge nothing (a reference that returned the accumulated tensor would be counted as an error:
 "the op returned 0 tensors, its reference 1").  Judging a mutated argument would need the
 compare to know which argument an op writes.
@@ -377,6 +378,11 @@ def matmul_add_example(gen: torch.Generator) -> tuple[tuple[Any, ...], dict[str,
     return (_vals(gen, 6, 8), _vals(gen, 6, 5), _vals(gen, 5, 8, dtype=_F32)), {}
 
 
+def matmul_add_fp16_example(gen: torch.Generator) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The half-precision main_grad of npu_matmul_add_fp16 (MindSpeed's fp16 / bf16 path)."""
+    return (_vals(gen, 6, 8), _vals(gen, 6, 5), _vals(gen, 5, 8)), {}
+
+
 def groupmatmul_add_example(gen: torch.Generator) -> tuple[tuple[Any, ...], dict[str, Any]]:
     return (_vals(gen, 6, 8), _vals(gen, 6, 5), torch.tensor([2, 2, 6]),
             _vals(gen, 3 * 8, 5, dtype=_F32)), {}
@@ -545,6 +551,11 @@ _NONE = ("; returns None as the op does: the accumulation goes into grad, which 
 REFERENCES: tuple[Reference, ...] = (
     Reference("mindspeed.npu_matmul_add_fp32", _returns_none, example=matmul_add_example,
               source=f"{_MS}npu_matmul_add.md{_NONE}"),
+    Reference("mindspeed.npu_matmul_add_fp16", _returns_none, example=matmul_add_fp16_example,
+              source="MindSpeed master 028de58c, mindspeed/ops/npu_matmul_add.py "
+                     "(npu_matmul_add_fp16: grad.add_(grad_output.t().matmul(total_input))); "
+                     "returns None as the op does: the accumulation goes into grad, which the "
+                     "compare does not judge"),
     Reference("mindspeed.npu_groupmatmul_add_fp32", _returns_none,
               example=groupmatmul_add_example, source=f"{_MS}npu_groupmatmul_add.md{_NONE}"),
     Reference("npu_grouped_matmul_finalize_routing", npu_grouped_matmul_finalize_routing,

@@ -7,6 +7,7 @@ from . import (
     _fam_attention,
     _fam_attention_v3,
     _fam_gemm_comm,
+    _fam_misc,
     _fam_moe_serving,
     _fam_norm_quant,
     _fam_quant_prep,
@@ -122,4 +123,4 @@ SHIPPED: tuple[Reference, ...] = (
 # the families: each family module holds its own entries
 SHIPPED += (_fam_attention.REFERENCES + _fam_norm_quant.REFERENCES + _fam_gemm_comm.REFERENCES
             + _fam_moe_serving.REFERENCES + _fam_attention_v3.REFERENCES
-            + _fam_quant_prep.REFERENCES)
+            + _fam_quant_prep.REFERENCES + _fam_misc.REFERENCES)
