@@ -5,8 +5,9 @@ quantisation, the weight-only quantised matmul.  One ``EmulatedOp`` entry per op
 
 Schemas are torch_npu 2.14.0's (the wheel digest); ``dtypes`` are the sources' (the contracts'
 first table), the kernel's assumed dtype first.  Arguments whose documented dtypes have no name
-here or span many kinds (``npu_confusion_transpose``'s self, ``npu_scatter_nd_update_``'s self
-and updates, ``npu_layer_norm_eval``, the weight-only matmul's int8 / int32 weight) are left
+here or span many kinds (``npu_confusion_transpose``'s self, ``npu_scatter_nd_update_``'s self,
+updates and indices (the docs' int32 / int64: another integer is rejected by aclnn's dtype check,
+not misread, and the contract rejects it before), ``npu_layer_norm_eval``, the weight-only matmul's int8 / int32 weight) are left
 unrestricted: the emulated kernel reads each dtype as what it is.
 
 ``npu_scatter_nd_update_`` writes into ``self`` and returns it, as its schema says
@@ -25,7 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ._family import AUTOGRAD, EmulatedOp
+from ._family import AUTOGRAD, NO_DERIVATIVE, EmulatedOp
 
 __all__ = ["OPS"]
 
@@ -126,16 +127,18 @@ OPS: tuple[EmulatedOp, ...] = (
                dtypes={"x": ("fp16", "fp32", "bf16"), "mask": ("bool",)}, backward=AUTOGRAD,
                source=f"{_DOCS}; {_DERIV}"),
     EmulatedOp("npu_layer_norm_eval", fake=_layer_norm_eval_fake, source=_DOCS),
-    EmulatedOp("npu_scatter_nd_update_", fake=_scatter_nd_update_fake,
-               dtypes={"indices": ("int32", "int64")}, writes="self", source=_DOCS),
+    # no derivative entry in op-plugin: a backward through the in-place update raises
+    EmulatedOp("npu_scatter_nd_update_", fake=_scatter_nd_update_fake, backward=NO_DERIVATIVE,
+               writes="self", source=_DOCS),
     EmulatedOp("npu_sign_bits_pack", fake=_sign_bits_pack_fake,
                dtypes={"self": ("fp32", "fp16")}, source=_DOCS),
-    EmulatedOp("npu_sign_bits_unpack", fake=_sign_bits_unpack_fake,
-               dtypes={"input": ("uint8",)}, source=_DOCS),
+    # input: uint8 bytes of packed signs; int8 holds the same bytes (read alike)
+    EmulatedOp("npu_sign_bits_unpack", fake=_sign_bits_unpack_fake, source=_DOCS),
     EmulatedOp("npu_dynamic_block_quant", fake=_dynamic_block_quant_fake,
                dtypes={"x": ("bf16", "fp16")}, source=_DOCS),
     EmulatedOp("npu_dynamic_mx_quant_with_dual_axis", fake=_dual_axis_fake,
                dtypes={"input": ("bf16", "fp16")}, source=_DOCS),
     EmulatedOp("npu_weight_quant_batchmatmul", fake=_weight_quant_bmm_fake,
-               dtypes={"x": ("fp16", "bf16")}, source=f"{_DOCS} (int8 weight)"),
+               dtypes={"x": ("fp16", "bf16"), "weight": ("int8",)},
+               source=f"{_DOCS} (int8 weight)"),
 )

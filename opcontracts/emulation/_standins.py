@@ -477,8 +477,9 @@ def npu_matmul_add_fp16(total_input, grad_output, grad):  # type: ignore[no-unty
     for dim in grad_output.shape:
         if dim == 0:
             return
-    grad_weight = grad_output.t().matmul(total_input)
-    grad.add_(grad_weight)
+    with torch.no_grad():  # as MindSpeed calls it: inside backward, where grad mode is off
+        grad_weight = grad_output.t().matmul(total_input)
+        grad.add_(grad_weight)
 
 
 def npu_groupmatmul_add_fp32(x, dy, grouplist, grad):  # type: ignore[no-untyped-def]
