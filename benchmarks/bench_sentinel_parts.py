@@ -105,7 +105,7 @@ def measure(step: Any, steps: int) -> tuple[dict[str, float], list[float], list[
     count in ``checks``; the step times are the first pass's."""
     import bench_accelerator as bench
 
-    calls = bench.count(step, "sentinel always-on")[0]
+    calls = bench.count(step, "watch always-on")[0]
     kept: dict[str, float] = defaultdict(float)
     bare, observed = _pass(step, steps, tuple(p for p in PARTS if p != "reductions"), kept)
     _pass(step, steps, ("reductions",), kept)
@@ -133,7 +133,7 @@ def _pass(step: Any, steps: int, parts: tuple[str, ...],
 
     with timed_parts(totals, parts):
         # the sentinel is made inside the wrappers: its optimizer-step hook is the timed read
-        spans = bench.time_paired(step, "sentinel always-on", steps, observed_step)
+        spans = bench.time_paired(step, "watch always-on", steps, observed_step)
     return [b for _, b in spans], [o for o, _ in spans]
 
 

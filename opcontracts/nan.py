@@ -115,7 +115,7 @@ _ON_NAN = ("record", "warn", "raise")
 
 
 # --------------------------------------------------------------------------- results
-How = Literal["replay", "recurrence", "none"]
+How = Literal["replay", "recurrence", "watched", "none"]
 
 
 @dataclass
@@ -131,6 +131,8 @@ class StepFinding:
     * ``"recurrence"``: the step's function was not known (``opcontracts run --nan-check`` on
       an unmodified script): the watch was armed from the next step on; ``reproduced`` says
       whether the NaN recurred (at ``at_step``) while it watched (None: still watching);
+    * ``"watched"``: the watch was on for that step already (``watch_first``: the steps before
+      the first ``optimizer.step()``);
     * ``"none"``: not looked for (a culprit was known already, or too many replays).
 
     ``culprit`` is the watch's first culprit (op, argument, direction, module path, call
@@ -169,6 +171,9 @@ class StepFinding:
                 lines.append(f"  replayed under the watch (same inputs, RNG states restored"
                              f"{took}): the NaN did NOT reproduce (the replay is finite): "
                              "nondeterminism, the hardware, or a race")
+        elif self.how == "watched":
+            lines.append("  the watch was on for this step (watch_first: until the first "
+                         "optimizer.step())")
         elif self.how == "recurrence":
             if self.reproduced is None:
                 lines.append(f"  the step's function is not known: the watch is armed from "
@@ -222,6 +227,9 @@ class NanResult:
     def summary(self) -> str:
         if self.steps is not None:
             return self._step_summary()
+        return self._plain_summary()
+
+    def _plain_summary(self) -> str:
         if self.first is None:
             text = f"NaN sentinel: no guarded op produced NaN or inf ({self.calls} call(s) checked)"
             if self.received is not None:
@@ -233,6 +241,10 @@ class NanResult:
 
     def _step_summary(self) -> str:
         bad = self.bad_steps
+        if not self.findings and (self.first is not None or self.received is not None):
+            # the watch of the first steps (watch_first) found it, no optimizer step judged it
+            return self._plain_summary() + (f"\n(always-on: {self.steps} optimizer step(s) "
+                                            "checked)")
         if not bad:
             return (f"NaN sentinel, always-on: {self.steps} step(s) checked at optimizer.step(), "
                     "all finite")
@@ -335,7 +347,7 @@ class NanSentinel(Observer):
     def __init__(self, *, on_nan: OnNan | None = None, max_events: int = 32,
                  always_on: bool = False, watch: bool = False, step_hook: bool | None = None,
                  limit: int = 4096, keep_bytes: int = 256 << 20, sync: bool | None = None,
-                 arm_steps: int = 100, max_replays: int = 3) -> None:
+                 arm_steps: int = 100, max_replays: int = 3, watch_first: bool = False) -> None:
         if on_nan is None:
             on_nan = "warn" if always_on else "record"
         if on_nan not in _ON_NAN:
@@ -380,8 +392,10 @@ class NanSentinel(Observer):
         self._scope_bad: tuple[StepFinding, Any] | None = None  # (finding, weak optimizer)
         self._armed: StepFinding | None = None
         self._armed_finite = 0
-        self._watching = False  # attached to the layer (a replay, or armed)
+        self._watching = False  # attached to the layer (a replay, armed, or watch_first)
         self._replays = 0
+        # the watch on until the first optimizer.step() (a script without one, a first step)
+        self._first_watch = self.stepwise and watch_first
 
     # ----------------------------------------------------------------- public
     def enable(self) -> NanSentinel:
@@ -397,6 +411,8 @@ class NanSentinel(Observer):
                 if self._check is None:
                     self._check = StepCheck(self._on_step, self._before_step, self.sync)
                 self._check.attach()
+                if self._first_watch and not self._watching:
+                    self._watching = True
                 if self._watching:
                     layer.attach(self, who="opcontracts.nan")
             else:
@@ -578,6 +594,11 @@ class NanSentinel(Observer):
                     self._disarm()
             return
         f = StepFinding(v.step, v.nonfinite, v.nonfinite_count, v.checked, ranks_bad=v.ranks_bad)
+        if v.step == 1 and self._found.first is not None and not self._findings:
+            f.how, f.culprit, f.reproduced, f.at_step = "watched", self._found.first, True, 1
+            self._findings.append(f)
+            self._tell(f)
+            return
         localise = (self._found.first is None and armed is None
                     and self._replays < self.max_replays
                     and len(self._findings) < self.max_events)
@@ -598,6 +619,10 @@ class NanSentinel(Observer):
     def _before_step(self, _opt: Any) -> None:
         """At every ``optimizer.step()``, before the check: an armed watch reads the step's
         checks (the NaN recurred when it names a culprit)."""
+        if self._first_watch:
+            self._first_watch = False
+            self._read()
+            self._disarm()
         armed = self._armed
         if armed is None:
             return

@@ -195,8 +195,10 @@ class StepCheck:
         if math.isfinite(sum(norms)) and not ranks_bad:
             return v
         bad = [i for i, n in enumerate(norms) if not math.isfinite(n)]
-        # a 2-norm overflows on huge finite values: confirm exactly (this step only)
-        bad = [i for i in bad if not bool(torch.isfinite(tensors[i]).all())]
+        if bad:  # a 2-norm overflows on huge finite values: confirmed exactly (one more read)
+            ok = torch.stack([torch.isfinite(tensors[i]).all().to(tensors[bad[0]].device)
+                              for i in bad]).tolist()
+            bad = [i for i, fine in zip(bad, ok) if not fine]
         v.nonfinite_count = len(bad)
         v.nonfinite = [_name(names[i], tensors[i]) for i in bad[:8]]
         v.finite = not bad and not ranks_bad

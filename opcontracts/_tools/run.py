@@ -563,9 +563,12 @@ class _Watchers:
         if self.opts.nan_check:
             from ..nan import NanSentinel
 
-            # always-on: one host read per step (at optimizer.step() and at the end), no
-            # tensor of the job kept; the run's report names the culprit
-            self.sentinel = NanSentinel(always_on=True, on_nan="record").enable()
+            # always-on: each optimizer.step() checked (one fused reduction, one host read),
+            # a non-finite one skipped and the watch armed from the next step (the step's
+            # function is not known here: no replay); the watch is on until the first
+            # optimizer.step() (a first-step NaN, a script without an optimizer)
+            self.sentinel = NanSentinel(always_on=True, on_nan="record",
+                                        watch_first=True).enable()
         if self.opts.compare is not None:
             from ..compare import ShadowCompare
 
