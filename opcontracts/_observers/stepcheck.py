@@ -96,15 +96,16 @@ def screen(tensors: list[torch.Tensor], sync: bool = False) -> tuple[list[float]
 class StepCheck:
     """The per-step check, over torch's global optimizer step hooks while ``attached``.
 
-    ``on_bad(verdict)`` is called at a non-finite step (after the step is set to be skipped);
+    ``on_step(verdict)`` is called at every step, after the check (a non-finite step is set
+    to be skipped by then);
     ``before(optimizer)`` at every step before the check (the sentinel's armed watch reads
     there).  ``replaying``: inside a replay, every step is skipped and not counted.
     ``sync``: judge each step over the ranks (None: when a process group of more than one
     rank is initialised)."""
 
-    def __init__(self, on_bad: Callable[[StepVerdict], None],
+    def __init__(self, on_step: Callable[[StepVerdict], None],
                  before: Callable[[Any], None] | None = None, sync: bool | None = None) -> None:
-        self.on_bad = on_bad
+        self.on_step = on_step
         self.before = before
         self.sync = sync
         self.steps = 0
@@ -145,13 +146,21 @@ class StepCheck:
             self._skip(opt)
             return
         self.steps += 1
-        if self.before is not None:
-            self.before(opt)
-        verdict = self.check(opt)
+        try:
+            if self.before is not None:
+                self.before(opt)
+            verdict = self.check(opt)
+        except Exception as exc:  # the check never stops the job: the step runs unchecked
+            from .._engine.callsite import warn_at_caller
+
+            warn_at_caller(f"opcontracts.nan: the check of step {self.steps} failed "
+                           f"({type(exc).__name__}: {exc}); the step runs unchecked",
+                           RuntimeWarning)
+            return
         if not verdict.finite:
             self.bad_steps.append(verdict.step)
             self._skip(opt)
-            self.on_bad(verdict)
+        self.on_step(verdict)
 
     def _post(self, opt: Any, _args: Any, _kwargs: Any) -> None:
         stash = self._stash.pop(id(opt), None)

@@ -1,0 +1,336 @@
+"""The always-on NaN sentinel: the step checked at ``optimizer.step()``, a bad step skipped and
+replayed under the watch (``opcontracts.nan_step``), or the watch armed when the step's
+function is not known; what it costs, counted (host reads, dispatcher ops, hooks), never timed.
+
+The incident's step (the demo's MoE model, fused unpermute handed fp32 probs, contracts off)
+is the bad step; its conforming twin (the fix applied) the good one.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import types
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import opcontracts
+from opcontracts._observers import layer
+from opcontracts._observers.replay import live_scopes
+from opcontracts._tools import demo
+from opcontracts.nan import NanSentinel, nan_step
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from _host_reads import HostReads  # noqa: E402
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def moe() -> Iterator[types.ModuleType]:
+    with demo._environment() as mod, opcontracts.mode("off"):
+        yield mod
+
+
+class Job:
+    """The demo's model, an SGD optimizer and a batch; ``bad`` hands fp32 probs to the
+    bf16-only unpermute (NaN gradients), else the fix is applied."""
+
+    def __init__(self, mod: types.ModuleType, layers: int = 2, bad: bool = True) -> None:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.model = mod.MoEModel(vocab=demo.VOCAB, layers=layers).to(BF16)
+        self.model.set_fused(True, cast_probs=not bad)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-2)
+        self.batch = demo._batch(0)
+
+    def step(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        self.opt.zero_grad(set_to_none=True)
+        loss = self.model(ids, targets)
+        loss.backward()
+        self.opt.step()
+        return loss
+
+    def params(self) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in self.model.parameters()]
+
+
+def _key(e: Any) -> tuple[Any, ...]:
+    assert e is not None
+    return (e.op, e.direction, e.kind, e.arg, e.module, e.call_site, e.dtype, e.shape)
+
+
+def _watch_first(mod: types.ModuleType, layers: int = 2) -> Any:
+    """What the per-call watch names on the bad step."""
+    job = Job(mod, layers)
+    with NanSentinel() as w:
+        job.model(*job.batch).backward()
+    return w.result().first
+
+
+def _quiet(fn: Callable[[], Any]) -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return fn()
+
+
+# --------------------------------------------------------------------------- replay
+@pytest.mark.parametrize("layers", [2, 6])
+def test_a_bad_step_is_skipped_and_its_replay_names_the_watchs_culprit(
+        moe: types.ModuleType, layers: int) -> None:
+    watch = _watch_first(moe, layers)
+    job = Job(moe, layers)
+    before = job.params()
+    step = nan_step(job.step)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", RuntimeWarning)
+        with NanSentinel(always_on=True) as s:
+            step(*job.batch)
+    # skipped as AMP skips: the parameters are those the bad step started from
+    assert all(torch.equal(a, b) for a, b in zip(before, job.model.parameters()))
+    assert s.steps == 1 and s.first_bad_step == 1
+    r = s.result()
+    (f,) = r.findings
+    assert (f.step, f.how, f.reproduced, f.skipped) == (1, "replay", True, True)
+    assert _key(f.culprit) == _key(watch) == _key(r.first)
+    assert "npu_moe_token_unpermute" in f.culprit.op and f.culprit.direction == "backward"
+    assert f.culprit.counted  # the replay keeps the tensors: NaN and inf counted
+    assert f.nonfinite_count > 0 and f.replay_s is not None
+    text = r.summary()
+    assert "the step was skipped" in text and "the NaN reproduced" in text
+    assert "replayed under the watch (same inputs, RNG states restored" in text
+    # one warning, at the user's line, with the culprit
+    msgs = [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)]
+    assert len(msgs) == 1 and "npu_moe_token_unpermute" in msgs[0]
+    assert layer.attached() == []  # the watch is off again
+
+
+def test_a_nan_injected_once_is_reported_as_not_reproduced(moe: types.ModuleType) -> None:
+    job = Job(moe, bad=False)
+    calls = []
+
+    @nan_step
+    def step(ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        job.opt.zero_grad(set_to_none=True)
+        loss = job.model(ids, targets)
+        loss.backward()
+        calls.append(1)
+        if len(calls) == 1:  # a one-off: a flipped bit, a race
+            next(job.model.parameters()).grad[0, 0] = float("nan")
+        job.opt.step()
+        return loss
+
+    before = job.params()
+    with NanSentinel(always_on=True, on_nan="record") as s:
+        step(*job.batch)
+    assert len(calls) == 2  # the step and its replay
+    assert all(torch.equal(a, b) for a, b in zip(before, job.model.parameters()))
+    (f,) = s.findings
+    assert (f.how, f.reproduced, f.culprit) == ("replay", False, None)
+    assert "did NOT reproduce" in s.result().summary()
+    # the next steps train: finite, applied
+    with NanSentinel(always_on=True, on_nan="record") as s2:
+        step(*job.batch)
+    assert s2.first_bad_step is None and s2.steps == 1
+    assert not all(torch.equal(a, b) for a, b in zip(before, job.model.parameters()))
+
+
+def test_the_replay_restores_the_rng_and_the_job_keeps_its_own(moe: types.ModuleType) -> None:
+    job = Job(moe, bad=False)
+    drawn: list[torch.Tensor] = []
+
+    @nan_step
+    def step(ids: torch.Tensor, targets: torch.Tensor) -> None:
+        noise = torch.rand(3)
+        drawn.append(noise)
+        job.opt.zero_grad(set_to_none=True)
+        loss = job.model(ids, targets) * noise.sum() * float("nan")  # every step bad
+        loss.backward()
+        job.opt.step()
+
+    torch.manual_seed(7)
+    with NanSentinel(always_on=True, on_nan="record"):
+        step(*job.batch)
+        after = torch.rand(3)
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    assert torch.equal(drawn[0], expected) and torch.equal(drawn[1], expected)  # replayed alike
+    assert torch.equal(after, torch.rand(3))  # the job's stream as if no replay had run
+
+
+def test_inputs_kept_for_a_replay_are_released_when_the_step_ends_well(
+        moe: types.ModuleType) -> None:
+    job = Job(moe, bad=False)
+    step = nan_step(job.step)
+    refs = []
+    with NanSentinel(always_on=True, on_nan="record") as s:
+        for i in range(5):
+            ids, targets = (t.clone() for t in job.batch)
+            refs.append(weakref.ref(ids))
+            seen: list[int] = []
+
+            def spy(*_: Any, seen: list[int] = seen) -> None:
+                seen.append(live_scopes())
+
+            h = torch.optim.Optimizer.register_step_pre_hook(job.opt, spy)  # type: ignore[arg-type]
+            step(ids, targets)
+            h.remove()
+            assert seen == [1]  # held while the step runs
+            del ids, targets
+            gc.collect()
+            assert live_scopes() == 0 and refs[i]() is None  # released when it ended well
+    assert s.steps == 5 and s.first_bad_step is None
+
+
+# --------------------------------------------------------------------------- not known
+def test_without_the_step_function_the_watch_arms_and_names_the_recurrence(
+        moe: types.ModuleType) -> None:
+    watch = _watch_first(moe)
+    job = Job(moe)
+    with NanSentinel(always_on=True, on_nan="record") as s:
+        job.step(*job.batch)  # bad: skipped, the watch armed
+        assert layer.attached() == [s]
+        (f,) = s.findings
+        assert (f.how, f.reproduced) == ("recurrence", None)
+        assert "armed from step 2" in s.result().summary()
+        job.step(*job.batch)  # the NaN recurs: named, the watch off again
+        assert layer.attached() == []
+        job.step(*job.batch)
+    assert (f.reproduced, f.at_step) == (True, 2)
+    assert _key(f.culprit) == _key(watch)
+    r = s.result()
+    assert r.bad_steps == [1, 2, 3] and len(r.findings) == 1
+    assert "named the culprit when the NaN recurred at step 2" in r.summary()
+
+
+def test_an_armed_watch_that_sees_no_recurrence_is_disarmed(moe: types.ModuleType) -> None:
+    job = Job(moe, bad=False)
+    w = next(job.model.parameters())
+    with NanSentinel(always_on=True, on_nan="record", arm_steps=2) as s:
+        job.opt.zero_grad()
+        job.model(*job.batch).backward()
+        w.grad[0, 0] = float("inf")
+        job.opt.step()
+        for _ in range(2):
+            job.step(*job.batch)
+    (f,) = s.findings
+    assert (f.how, f.reproduced, f.culprit) == ("recurrence", False, None)
+    assert layer.attached() == []
+    assert "saw no NaN recur in 2 step(s)" in s.result().summary()
+
+
+def test_watch_first_names_a_first_step_nan_without_an_optimizer(moe: types.ModuleType) -> None:
+    """``run --nan-check``: a script of one forward and backward, no optimizer step."""
+    watch = _watch_first(moe)
+    job = Job(moe)
+    with NanSentinel(always_on=True, on_nan="record", watch_first=True) as s:
+        job.model(*job.batch).backward()
+    r = s.result()
+    assert _key(r.first) == _key(watch) and r.steps == 0
+
+
+# --------------------------------------------------------------------------- cost, counted
+def _counted(job: Job, kind: str) -> tuple[int, int, int]:
+    """(host reads, dispatcher ops, global optimizer hooks + node hooks) of one good step."""
+    import bench_accelerator
+
+    from torch.optim import optimizer as optim_mod
+
+    step = job.step
+    ctx: Any = NanSentinel(always_on=True, on_nan="record") if kind != "bare" else None
+    if ctx is not None:
+        ctx.enable()
+        if kind == "replay":
+            step = nan_step(job.step)
+    try:
+        step(*job.batch)  # warm
+        with HostReads() as reads:
+            step(*job.batch)
+        with bench_accelerator.OpCount() as ops:
+            step(*job.batch)
+        hooks = len(optim_mod._global_optimizer_pre_hooks) + len(
+            optim_mod._global_optimizer_post_hooks)
+        attached = len(layer.attached())
+    finally:
+        if ctx is not None:
+            ctx.disable()
+    return reads.total, ops.ops, hooks + attached
+
+
+@pytest.mark.parametrize("kind", ["always-on", "replay"])
+def test_a_good_step_costs_one_read_and_a_fixed_number_of_ops(moe: types.ModuleType,
+                                                              kind: str) -> None:
+    added = {}
+    for layers in (2, 6):
+        job = Job(moe, layers, bad=False)
+        bare = _counted(job, "bare")
+        on = _counted(job, kind)
+        added[layers] = (on[0] - bare[0], on[1] - bare[1], on[2] - bare[2])
+    # one host read a step, the same few ops on 6 layers (36 guarded calls' worth of tensors
+    # more) as on 2: nothing per guarded call; two optimizer hooks, nothing at the layer
+    assert added[2] == added[6], added
+    reads, ops, hooks = added[2]
+    assert reads == 1 and ops <= 3 and hooks == 2, added
+
+
+def test_a_distributed_step_is_judged_over_the_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a job the count of non-finite norms is summed over the ranks before the one read:
+    a rank whose own gradients are finite skips the step its peer found bad."""
+    import torch.distributed as dist
+
+    from opcontracts._observers import stepcheck
+
+    def peer_is_bad(t: torch.Tensor, *a: Any, **k: Any) -> None:
+        t.add_(1)  # the other rank's count
+
+    monkeypatch.setattr(dist, "all_reduce", peer_is_bad)
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([w], lr=1.0)
+    with NanSentinel(always_on=True, on_nan="record", sync=True) as s:
+        w.grad = torch.ones(3)
+        with HostReads() as reads:
+            opt.step()
+    assert reads.total == 1
+    assert torch.equal(w.detach(), torch.ones(3))  # skipped on this rank too
+    (f,) = s.findings
+    assert f.nonfinite_count == 0 and f.ranks_bad == 1
+    assert stepcheck.screen([], sync=True) == ([], 0)
+
+
+def test_huge_finite_gradients_are_not_called_non_finite() -> None:
+    w = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.SGD([w], lr=0.0)
+    with NanSentinel(always_on=True, on_nan="record") as s:
+        w.grad = torch.full((4,), 3e38)  # finite; its 2-norm overflows float32
+        opt.step()
+    assert s.first_bad_step is None and s.findings == []
+
+
+def test_the_loss_handed_over_is_checked_with_the_gradients() -> None:
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=1.0)
+    with NanSentinel(always_on=True, on_nan="record") as s:
+        loss = (w * 0).sum() + torch.tensor(float("nan")).detach()  # gradients finite
+        loss.backward()
+        opcontracts.nan.loss(loss)
+        opt.step()
+    (f,) = s.findings
+    assert f.nonfinite == ["the loss (float32)"]
+    assert torch.equal(w.detach(), torch.ones(2))
+
+
+def test_nan_step_without_an_always_on_sentinel_is_the_function() -> None:
+    def f(x: int) -> int:
+        return x + 1
+
+    g = opcontracts.nan_step(f)
+    assert g(1) == 2 and g.__wrapped__ is f  # type: ignore[attr-defined]
+    with NanSentinel():  # the watch alone: nothing to replay
+        assert g(2) == 3
+    assert "nan_step" in opcontracts.__all__
