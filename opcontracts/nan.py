@@ -558,20 +558,26 @@ class NanSentinel(Observer):
         if scope is not None and not (self._check is not None and self._check.replaying):
             scope.record(fn, args, kwargs)
 
-    def end_step(self) -> StepFinding | None:
+    def end_step(self, clear_grads: bool = False) -> StepFinding | None:
         """Close the open step: replay it if it went non-finite (the finding), else drop its
-        inputs."""
+        inputs.  ``clear_grads``: set the gradients to None after a replay (for a loop that
+        accumulates into ``.grad`` from one step to the next, as the transformers Trainer)."""
         scope, bad = self._scope, self._scope_bad
         self._scope = self._scope_bad = None
         if scope is None or bad is None:
             if scope is not None:
                 scope.release()
             return None
-        finding, opt = bad
+        finding, ref = bad
+        opt = ref()
         try:
-            self._replay(scope, finding, opt())
+            self._replay(scope, finding, opt)
         finally:
             scope.release()
+            if clear_grads and opt is not None:
+                for group in opt.param_groups:
+                    for p in group["params"]:
+                        p.grad = None
         return finding
 
     def _close_scope(self) -> None:

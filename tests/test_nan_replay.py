@@ -334,3 +334,97 @@ def test_nan_step_without_an_always_on_sentinel_is_the_function() -> None:
     with NanSentinel():  # the watch alone: nothing to replay
         assert g(2) == 3
     assert "nan_step" in opcontracts.__all__
+
+
+# --------------------------------------------------------------------------- a Trainer
+class _Handler:
+    def __init__(self) -> None:
+        self.callbacks: list[Any] = []
+
+    def call(self, event: str, trainer: Any) -> None:
+        for cb in self.callbacks:
+            getattr(cb, event)(None, trainer.state, None, model=trainer.model,
+                               optimizer=trainer.optimizer)
+
+
+class TrainerLike:
+    """The transformers Trainer's inner loop as it calls its callbacks: per update step
+    ``on_step_begin``, ``training_step(model, inputs)`` per micro-batch (forward, backward of
+    the loss over the accumulation steps), ``optimizer.step()``, ``zero_grad``, ``on_step_end``."""
+
+    def __init__(self, model: torch.nn.Module, batches: list[dict[str, torch.Tensor]],
+                 accumulation: int = 2) -> None:
+        self.model = model
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        self.batches = batches
+        self.accumulation = accumulation
+        self.callback_handler = _Handler()
+        self.state = types.SimpleNamespace(global_step=0)
+
+    def add_callback(self, cb: Any) -> None:
+        self.callback_handler.callbacks.append(cb)
+
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor]
+                      ) -> torch.Tensor:
+        loss = model(inputs["input_ids"], inputs["labels"]) / self.accumulation
+        loss.backward()
+        return loss.detach()
+
+    def train(self) -> None:
+        h = self.callback_handler
+        h.call("on_train_begin", self)
+        self.model.zero_grad()
+        for i, inputs in enumerate(self.batches):
+            if i % self.accumulation == 0:
+                h.call("on_step_begin", self)
+            self.training_step(self.model, inputs)
+            if (i + 1) % self.accumulation == 0:
+                self.optimizer.step()
+                self.model.zero_grad()
+                self.state.global_step += 1
+                h.call("on_step_end", self)
+        h.call("on_train_end", self)
+
+
+def test_the_trainer_callback_replays_the_bad_update_step_on_the_npu_device(
+        moe: types.ModuleType) -> None:
+    import opcontracts.patch as patch
+    from opcontracts import emulation
+
+    emulation.install(demo.PROFILE, mindspeed_line="core_r0.8.0", device=True)
+    patch.apply()
+    watch = _watch_first(moe)
+    job = Job(moe)
+    model = job.model.to("npu")
+    ids, targets = (t.to("npu") for t in job.batch)
+    good = ids.roll(1, 0)  # another batch: four micro-batches, two update steps
+    batches = [{"input_ids": x, "labels": targets} for x in (ids, good, ids, good)]
+    trainer = TrainerLike(model, batches)
+    before = [p.detach().cpu().clone() for p in model.parameters()]
+    cb = opcontracts.NanStepCallback(trainer)
+    assert trainer.callback_handler.callbacks == [cb]
+    _quiet(trainer.train)
+    r = cb.result
+    assert r is not None and r.steps == 2 and r.bad_steps == [1, 2]
+    (f,) = r.findings  # the first localised; the second only counted
+    assert (f.how, f.reproduced) == ("replay", True)
+    assert _key(f.culprit)[:5] == _key(watch)[:5]  # op, direction, kind, argument, module
+    assert f.culprit.call_site == watch.call_site
+    # both steps skipped: the parameters are those training started from
+    assert all(torch.equal(a, b.detach().cpu()) for a, b in zip(before, model.parameters()))
+    assert next(model.parameters()).device.type == "npu"
+    assert all(p.grad is None for p in model.parameters())  # nothing left to accumulate into
+    assert layer.attached() == [] and opcontracts.nan.active() is None
+    assert live_scopes() == 0
+
+
+def test_the_callback_without_its_trainer_arms_the_watch(moe: types.ModuleType) -> None:
+    job = Job(moe)
+    batches = [{"input_ids": job.batch[0], "labels": job.batch[1]}] * 4
+    trainer = TrainerLike(job.model, batches)
+    cb = opcontracts.NanStepCallback()
+    trainer.add_callback(cb)  # callbacks=[NanStepCallback()]: the trainer is not known
+    _quiet(trainer.train)
+    assert cb.result is not None
+    (f,) = cb.result.findings
+    assert (f.how, f.reproduced, f.at_step) == ("recurrence", True, 2)
