@@ -428,3 +428,54 @@ def test_the_callback_without_its_trainer_arms_the_watch(moe: types.ModuleType) 
     assert cb.result is not None
     (f,) = cb.result.findings
     assert (f.how, f.reproduced, f.at_step) == ("recurrence", True, 2)
+
+
+# --------------------------------------------------------------------------- the FSDP demo
+def _fsdp_demo(tmp: Path, *extra: str) -> dict[str, Any]:
+    import json
+    import os
+    import subprocess
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    out = tmp / "demo.json"
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("OPCONTRACTS_") and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                         env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    cmd = [sys.executable, "-m", "opcontracts", "demo", "--ranks", "2", "--fsdp", "1", *extra,
+           "--json", str(out)]
+    for attempt in (1, 2):  # once more if it died of a port clash
+        p = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=240)
+        if p.returncode == 0 or attempt == 2 or "address already in use" not in (
+                p.stdout + p.stderr).lower():
+            break
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return json.loads(out.read_text(encoding="utf-8"))  # type: ignore[no-any-return]
+
+
+def _rank_firsts(data: dict[str, Any]) -> dict[int, tuple[Any, ...]]:
+    out = {}
+    for rank, scenarios in enumerate(data["per_rank"]):
+        first = next(s for s in scenarios if s["name"] == "unguarded")["nan_check"]["first"]
+        out[rank] = tuple(first[k] for k in ("op", "direction", "kind", "arg", "module",
+                                             "call_site", "dtype"))
+    return out
+
+
+@pytest.mark.skipif(not __import__("torch.distributed").distributed.is_available(),
+                    reason="torch.distributed is not available")
+def test_fsdp_demo_always_on_replay_names_the_watchs_culprit_at_the_first_bad_step(
+        tmp_path: Path) -> None:
+    always = _fsdp_demo(tmp_path / "always")  # the ranks' default: always-on
+    watch = _fsdp_demo(tmp_path / "watch", "--sentinel", "watch")
+    assert always["ok"] and watch["ok"]
+    assert _rank_firsts(always) == _rank_firsts(watch)  # every rank, the same first culprit
+    nan = always["nan"]["unguarded"]
+    assert nan["first"]["rank"] == 0 and "npu_moe_token_unpermute" in nan["first"]["op"]
+    assert nan["first"]["module_clean"] == watch["nan"]["unguarded"]["first"]["module_clean"]
+    for rank in ("0", "1"):  # at the first bad step, by a replay that reproduced it
+        f = nan["always_on"][rank]
+        assert (f["step"], f["how"], f["reproduced"], f["skipped"]) == (1, "replay", True, True)
+    assert "always_on" not in watch["nan"]["unguarded"] or not watch["nan"]["unguarded"][
+        "always_on"]
+    assert always["nan"]["fix"]["first"] is None
