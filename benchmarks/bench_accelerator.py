@@ -239,7 +239,8 @@ def time_paired(step: Step, kind: str, pairs: int,
     pc = time.perf_counter
     spans: list[tuple[float, float]] = []
     with observed(kind) as boundary:
-        run_observed = runner(step, kind) if observed_step is None else observed_step
+        warm = runner(step, kind)
+        run_observed = warm if observed_step is None else observed_step
         d = layer._dispatch
         on = d.observers
         s = nan.active() if kind in STEPWISE else None
@@ -255,7 +256,7 @@ def time_paired(step: Step, kind: str, pairs: int,
                 d.observers = on if which else ()
 
         for _ in range(3):
-            run_observed()
+            warm()
             boundary()
         try:
             for i in range(pairs):

@@ -241,6 +241,9 @@ class NanResult:
 
     def _step_summary(self) -> str:
         bad = self.bad_steps
+        if not self.steps:  # no optimizer.step() seen: what the watch of the first steps saw
+            return self._plain_summary() + ("\n(always-on: no optimizer.step() was seen)"
+                                            if self.first is None else "")
         if not self.findings and (self.first is not None or self.received is not None):
             # the watch of the first steps (watch_first) found it, no optimizer step judged it
             return self._plain_summary() + (f"\n(always-on: {self.steps} optimizer step(s) "

@@ -479,3 +479,19 @@ def test_fsdp_demo_always_on_replay_names_the_watchs_culprit_at_the_first_bad_st
     assert "always_on" not in watch["nan"]["unguarded"] or not watch["nan"]["unguarded"][
         "always_on"]
     assert always["nan"]["fix"]["first"] is None
+
+
+def test_the_step_checks_warning_points_at_the_users_optimizer_step() -> None:
+    import os
+
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with NanSentinel(always_on=True):
+            (w * float("nan")).sum().backward()
+            opt.step()
+            line = sys._getframe().f_lineno - 1
+    got = [(os.path.basename(x.filename), x.lineno) for x in seen
+           if issubclass(x.category, RuntimeWarning) and "non-finite" in str(x.message)]
+    assert got == [(os.path.basename(__file__), line)]

@@ -250,7 +250,7 @@ def _sentinel_warnings_at_the_users_lines(mod: types.ModuleType) -> list[tuple[s
     out = []
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        with NanSentinel(always_on=True):  # read and warned at optimizer.step()
+        with NanSentinel(always_on=True, watch=True):  # read and warned at optimizer.step()
             mod.nan_grad(torch.ones(2, requires_grad=True), w).sum().backward()
             opt.step()  # STEP
         with NanSentinel(on_nan="warn"):  # read and warned in the backward hook
