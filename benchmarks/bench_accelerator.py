@@ -223,7 +223,8 @@ def time_rounds(step: Step, kinds: tuple[str, ...], rounds: int, per: int
 
 
 def time_paired(step: Step, kind: str, pairs: int,
-                observed_step: Callable[[], None] | None = None) -> list[tuple[float, float]]:
+                observed_step: Callable[[], None] | None = None,
+                clock: Callable[[], float] = time.perf_counter) -> list[tuple[float, float]]:
     """Per pair of consecutive steps, (the observed step's wall time, the bare one's), with
     the observer attached throughout and switched off for the bare step at the layer's
     dispatch (``_Dispatch.observers``: what the wrapper reads before anything else, so the
@@ -232,11 +233,13 @@ def time_paired(step: Step, kind: str, pairs: int,
     spread of the pairs' ratios is a few percent where whole rounds swing by ten.
     ``observed_step`` runs in place of ``step`` for the observed steps (a caller that
     accounts something per observed step).  The always-on step check has nothing at the
-    layer: its optimizer hooks are taken off for the bare step instead (outside the timer)."""
+    layer: its optimizer hooks are taken off for the bare step instead (outside the timer).
+    ``clock``: wall time by default; ``time.process_time`` leaves out what other processes
+    of a loaded machine take."""
     from opcontracts import nan
     from opcontracts._observers import layer
 
-    pc = time.perf_counter
+    pc = clock
     spans: list[tuple[float, float]] = []
     with observed(kind) as boundary:
         warm = runner(step, kind)
@@ -316,8 +319,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=None, metavar="B",
                    help="sequences of 32 tokens per step (the demo's: 4); a larger step shows "
                         "which costs are per guarded call")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="pairs timed in this process's CPU time (not wall time): another "
+                        "process's load on a shared machine does not count")
     ns = p.parse_args(argv)
     torch.set_num_threads(ns.threads)
+    clock = time.process_time if ns.cpu_time else time.perf_counter
+    clock_name = "CPU time" if ns.cpu_time else "wall time"
     rounds = ns.rounds or (2 if ns.quick else 9)
     per = 1 if ns.quick else 3
     kinds = tuple(ns.kinds)
@@ -349,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
                 for kind in kinds:
                     if kind in ("bare", "strict"):
                         continue  # nothing attached to switch off
-                    paired = time_paired(step, kind, ns.paired)
+                    paired = time_paired(step, kind, ns.paired, clock=clock)
                     r = sorted(o / b for o, b in paired)
                     q1, q3 = r[len(r) // 4], r[(3 * len(r)) // 4]
                     # the step's extra time spread over its guarded calls: the figure that does
@@ -357,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
                     extra = statistics.median(o - b for o, b in paired)
                     per_call = extra / max(1, counted[kind][0]) * 1e6
                     print(f"{layers:6d} {kind:20s} paired x {statistics.median(r):.4f} "
-                          f"(quartiles {q1:.3f}-{q3:.3f}, {len(r)} pairs, wall time), "
+                          f"(quartiles {q1:.3f}-{q3:.3f}, {len(r)} pairs, {clock_name}), "
                           f"{extra * 1e6:+.0f} us a step, {per_call:+.0f} us a guarded call")
             if ns.replay:
                 rep, bare_s = time_replay(model_mod, layers, ns.replay)

@@ -24,9 +24,14 @@ Use::
         loss = model(batch); loss.backward()
     print(sentinel.result())          # NanResult: .first, .events, .received
 
-    # a whole run: one host read per optimizer.step(), a warning at the step that went bad
+    # a whole run (production): the step checked at each optimizer.step() (one fused
+    # reduction, one host read, nothing per guarded call); a bad step skipped and replayed
+    # under the watch when its function is known (``nan_step``)
+    @nan_step
+    def train_step(batch): ...
     with NanSentinel(always_on=True):
-        train()
+        for batch in loader:
+            train_step(batch)
 
 or ``opcontracts.nan.enable()`` / ``disable()``, or ``opcontracts run --nan-check script.py``.
 
@@ -52,10 +57,18 @@ the step that turned non-finite costs one more read (the culprit's NaN and inf c
 Counted by ``benchmarks/bench_accelerator.py`` and ``tests/test_host_reads.py``: 1 read per
 training step, 2 or 6 layers alike (it was one per checked tensor: 28 per MoE layer).
 
-``always_on=True`` is the production mode: no tensor of the job is kept until the read (the
-culprit's NaN and inf are then not counted; everything else is named), one read per
-``optimizer.step()``, a ``RuntimeWarning`` at the step that turned non-finite.
-``opcontracts run --nan-check`` and the FSDP demo run it.
+Two modes.  The **watch** (the default, and ``always_on=True, watch=True`` to leave it on for
+a run: no tensor of the job kept until the read, one read per ``optimizer.step()``) checks
+every guarded call, as above: its cost is per guarded call.  **always-on**
+(``always_on=True``) checks the step instead (``_observers.stepcheck``): at every
+``optimizer.step()`` one fused reduction over the gradients (and the loss handed to
+``loss()``), one host read, no hook and no kernel per guarded call; a non-finite step is
+skipped (the parameters stay those it started from) and localised by the watch: replayed on
+the same inputs and RNG states when the step's function is known (``nan_step``,
+``run_step``, ``begin_step``/``record_call``/``end_step`` for a framework's loop:
+``opcontracts.NanStepCallback``), or, when it is not, the watch armed from the next step
+until the NaN recurs (``opcontracts run --nan-check``).  ``NanResult.findings`` says which
+happened and whether the replay reproduced the NaN.
 
 CPU cost when on (``benchmarks/bench_accelerator.py``, ``bench_nan.py``): the checks, the call
 site kept as code + line per call (its text made at report), the module path read off the
@@ -467,10 +480,12 @@ class NanSentinel(Observer):
         read) and judge them; whether a culprit is known now.  Called by ``optimizer.step()``
         with ``step_hook``.  Always-on (without ``watch``) the steps are counted at
         ``optimizer.step()`` itself: this only reads what an armed watch left."""
+        if self.stepwise:  # nothing waits unless the watch is on (a replay, armed)
+            if self._watching:
+                self._read()
+            return self._found.first is not None
         self._read()
         with self._lock:
-            if self.stepwise:
-                return self._found.first is not None
             self._steps += 1
             if self._found.first is not None and not self._bad_steps:
                 self._bad_steps.append(self._steps)

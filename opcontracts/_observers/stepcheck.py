@@ -40,6 +40,8 @@ import torch
 
 __all__ = ["StepCheck", "StepVerdict", "screen"]
 
+_strided = torch.strided
+
 
 @dataclass
 class StepVerdict:
@@ -52,13 +54,6 @@ class StepVerdict:
     nonfinite_count: int = 0
     ranks_bad: int = 0                          # ranks whose step was non-finite (0 alone)
     optimizer: Any = None                       # the optimizer stepped (a weak reference)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    dt = sys.modules.get("torch.distributed.tensor")
-    if dt is not None and isinstance(t, dt.DTensor):
-        return t.to_local()  # type: ignore[no-any-return]
-    return t
 
 
 def _world() -> int:
@@ -184,21 +179,18 @@ class StepCheck:
 
     def check(self, opt: Any) -> StepVerdict:
         """Judge the gradients of ``opt``'s parameters (and the loss handed over): one host
-        read; more on a step found non-finite (which tensors)."""
-        tensors: list[torch.Tensor] = []
-        names: list[Any] = []
-        for group in opt.param_groups:
-            pnames = group.get("param_names")
-            for i, p in enumerate(group["params"]):
-                g = p.grad
-                if g is None or g.is_sparse:
-                    continue
-                tensors.append(_local(g))
-                names.append((pnames, i, p))
+        read; more on a step found non-finite (which tensors).  The hot path of the
+        always-on sentinel, once a step: per parameter one attribute read and a test; the
+        DTensor test only when torch.distributed.tensor is loaded; names made only on a bad
+        step."""
+        tensors = [g for group in opt.param_groups for p in group["params"]
+                   if (g := p.grad) is not None and g.layout is _strided]
+        dt = sys.modules.get("torch.distributed.tensor")
+        if dt is not None:
+            tensors = [g.to_local() if isinstance(g, dt.DTensor) else g for g in tensors]
         loss, self._loss = self._loss, None
         if loss is not None:
             tensors.append(loss)
-            names.append("loss")
         norms, ranks_bad = screen(tensors, self._sync())
         v = StepVerdict(self.steps, True, len(tensors), ranks_bad=ranks_bad, optimizer=opt)
         if math.isfinite(sum(norms)) and not ranks_bad:
@@ -209,9 +201,23 @@ class StepCheck:
                               for i in bad]).tolist()
             bad = [i for i, fine in zip(bad, ok) if not fine]
         v.nonfinite_count = len(bad)
-        v.nonfinite = [_name(names[i], tensors[i]) for i in bad[:8]]
+        v.nonfinite = [_name(self._what(opt, tensors[i], loss), tensors[i]) for i in bad[:8]]
         v.finite = not bad and not ranks_bad
         return v
+
+    @staticmethod
+    def _what(opt: Any, t: torch.Tensor, loss: torch.Tensor | None) -> Any:
+        """(parameter names of its group or None, index in the group) of the gradient ``t``,
+        or "loss"."""
+        if t is loss:
+            return "loss"
+        for group in opt.param_groups:
+            for i, p in enumerate(group["params"]):
+                g = p.grad
+                if g is t or (g is not None and hasattr(g, "to_local")
+                              and g.to_local() is t):
+                    return group.get("param_names"), i, p
+        return None, -1, None
 
 
 def _name(what: Any, t: torch.Tensor) -> str:
@@ -220,6 +226,6 @@ def _name(what: Any, t: torch.Tensor) -> str:
     if what == "loss":
         return f"the loss ({dtype})"
     pnames, i, _p = what
-    if pnames is not None and i < len(pnames):
+    if pnames is not None and 0 <= i < len(pnames):
         return f"gradient of {pnames[i]} ({dtype}, {shape})"
     return f"gradient of parameter #{i} ({dtype}, {shape})"
