@@ -364,9 +364,11 @@ def main(argv: list[str] | None = None) -> int:
                     # not shrink with a larger step (``--batch``), i.e. the per-call budget
                     extra = statistics.median(o - b for o, b in paired)
                     per_call = extra / max(1, counted[kind][0]) * 1e6
+                    # the step check's cost is per step, not per guarded call
+                    tail = "" if kind in STEPWISE else f", {per_call:+.0f} us a guarded call"
                     print(f"{layers:6d} {kind:20s} paired x {statistics.median(r):.4f} "
                           f"(quartiles {q1:.3f}-{q3:.3f}, {len(r)} pairs, {clock_name}), "
-                          f"{extra * 1e6:+.0f} us a step, {per_call:+.0f} us a guarded call")
+                          f"{extra * 1e6:+.0f} us a step{tail}")
             if ns.replay:
                 rep, bare_s = time_replay(model_mod, layers, ns.replay)
                 print(f"{layers:6d} replay of a bad step: {statistics.median(rep) * 1e3:.1f} ms "

@@ -239,7 +239,6 @@ def test_watch_first_names_a_first_step_nan_without_an_optimizer(moe: types.Modu
 def _counted(job: Job, kind: str) -> tuple[int, int, int]:
     """(host reads, dispatcher ops, global optimizer hooks + node hooks) of one good step."""
     import bench_accelerator
-
     from torch.optim import optimizer as optim_mod
 
     step = job.step
@@ -495,3 +494,62 @@ def test_the_step_checks_warning_points_at_the_users_optimizer_step() -> None:
     got = [(os.path.basename(x.filename), x.lineno) for x in seen
            if issubclass(x.category, RuntimeWarning) and "non-finite" in str(x.message)]
     assert got == [(os.path.basename(__file__), line)]
+
+
+# --------------------------------------------------------------------------- opt-in: transformers
+HF_SCRIPT = '''
+import json, sys, torch
+import opcontracts
+from opcontracts._tools import demo
+from transformers import Trainer, TrainingArguments
+
+with demo._environment() as mod, opcontracts.mode("off"):
+    torch.manual_seed(0)
+    inner = mod.MoEModel(vocab=demo.VOCAB, layers=2).to(torch.bfloat16)  # fp32 probs: NaN
+
+    class Model(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, ids, targets):
+            return {"loss": self.m(ids, targets)}
+
+    ids, targets = demo._batch(0)
+    data = [{"ids": ids[i], "targets": targets[i]} for i in range(len(ids))] * 2
+    args = TrainingArguments(output_dir=sys.argv[1], per_device_train_batch_size=4,
+                             max_steps=2, learning_rate=1e-3, save_strategy="no", report_to=[],
+                             use_cpu=True, remove_unused_columns=False, disable_tqdm=True,
+                             lr_scheduler_type="constant", logging_strategy="no", seed=0)
+    trainer = Trainer(model=Model(inner), args=args, train_dataset=data)
+    cb = opcontracts.NanStepCallback(trainer)
+    before = [p.detach().clone() for p in inner.parameters()]
+    trainer.train()
+    same = all(torch.equal(a, b) for a, b in zip(before, inner.parameters()))
+    print("RESULT " + json.dumps({**cb.result.to_dict(), "unchanged": same}))
+'''
+
+
+@pytest.mark.skipif(
+    __import__("os").environ.get("OPCONTRACTS_HF_TESTS") != "1"
+    or __import__("importlib.util").util.find_spec("transformers") is None,
+    reason="opt-in: OPCONTRACTS_HF_TESTS=1 with transformers installed")
+def test_a_real_trainer_replays_its_bad_step(tmp_path: Path) -> None:
+    import json
+    import os
+    import subprocess
+
+    script = tmp_path / "train.py"
+    script.write_text(HF_SCRIPT, encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "out")], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
+    r = json.loads(line.removeprefix("RESULT "))
+    assert r["always_on"]["steps"] == 2 and r["always_on"]["bad_steps"] == [1, 2]
+    f = r["always_on"]["findings"][0]
+    assert (f["step"], f["how"], f["reproduced"]) == (1, "replay", True)
+    assert "npu_moe_token_unpermute" in f["culprit"]["op"]
+    assert f["culprit"]["direction"] == "backward" and f["culprit"]["module"].endswith("mlp")
+    assert r["unchanged"] is True  # both bad steps skipped
