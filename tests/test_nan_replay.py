@@ -553,3 +553,72 @@ def test_a_real_trainer_replays_its_bad_step(tmp_path: Path) -> None:
     assert "npu_moe_token_unpermute" in f["culprit"]["op"]
     assert f["culprit"]["direction"] == "backward" and f["culprit"]["module"].endswith("mlp")
     assert r["unchanged"] is True  # both bad steps skipped
+
+
+# --------------------------------------------------------------------------- run --nan-check
+RUN_SCRIPT = '''
+"""MoE steps on the CPU emulation; from step 2 on the router's fp32 probs reach the unpermute."""
+import torch
+from torch import nn
+
+from opcontracts import emulation
+
+emulation.install()
+
+import torch_npu  # noqa: E402
+
+
+class MoE(nn.Module):
+    def __init__(self, hidden=16, experts=4, top_k=2):
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(hidden, experts)
+        self.experts = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(experts))
+
+    def forward(self, x, probs_dtype):
+        probs, idx = self.router(x).softmax(-1).topk(self.top_k, dim=-1)
+        tokens, sorted_indices = torch_npu.npu_moe_token_permute(x.to(torch.bfloat16), idx)
+        counts = torch.bincount(idx.flatten(), minlength=len(self.experts)).tolist()
+        chunks = tokens.float().split(counts)
+        out = torch.cat([e(c) for e, c in zip(self.experts, chunks)]).to(torch.bfloat16)
+        y = torch_npu.npu_moe_token_unpermute(out, sorted_indices, probs.to(probs_dtype))  # UNPERMUTE
+        return y.float()
+
+
+torch.manual_seed(0)
+model = MoE()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+x = torch.randn(8, 16)
+for step in range(1, 4):
+    loss = model(x, torch.bfloat16 if step == 1 else torch.float32).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+'''
+
+
+def test_run_nan_check_names_the_recurring_culprit_of_an_unmodified_script(
+        tmp_path: Path) -> None:
+    import json
+    import os
+    import subprocess
+
+    script = tmp_path / "train.py"
+    script.write_text(RUN_SCRIPT, encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPCONTRACTS_")}
+    env.update(PYTHONPATH=str(Path(__file__).resolve().parents[1]), OPCONTRACTS_MODE="off",
+               OPCONTRACTS_CANN_VERSION="8.0.RC3")  # the kernel takes bf16 probs only
+    report = tmp_path / "r.json"
+    p = subprocess.run([sys.executable, "-m", "opcontracts", "run", "--nan-check", "--report",
+                        str(report), str(script)], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    nan = json.loads(report.read_text(encoding="utf-8"))["nan_sentinel"]
+    assert nan["always_on"]["steps"] == 3 and nan["always_on"]["bad_steps"] == [2, 3]
+    f = nan["always_on"]["findings"][0]
+    assert (f["step"], f["how"], f["reproduced"], f["at_step"]) == (2, "recurrence", True, 3)
+    assert f["culprit"] == nan["first"]
+    assert "npu_moe_token_unpermute" in nan["first"]["op"]
+    assert nan["first"]["direction"] == "backward"
+    assert "the watch, armed from step 3, named the culprit when the NaN recurred at step 3" \
+        in p.stderr
