@@ -622,3 +622,25 @@ def test_run_nan_check_names_the_recurring_culprit_of_an_unmodified_script(
     assert nan["first"]["direction"] == "backward"
     assert "the watch, armed from step 3, named the culprit when the NaN recurred at step 3" \
         in p.stderr
+
+
+def test_on_nan_raise_raises_at_the_recurrence_and_a_failed_check_only_warns(
+        moe: types.ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    from opcontracts._observers import stepcheck
+    from opcontracts.nan import NonFiniteError
+
+    job = Job(moe)
+    with NanSentinel(always_on=True, on_nan="raise"):
+        job.step(*job.batch)  # skipped, armed
+        with pytest.raises(NonFiniteError, match="npu_moe_token_unpermute"):
+            job.step(*job.batch)
+
+    def broken(*_: Any, **__: Any) -> Any:
+        raise RuntimeError("no foreach kernel here")
+
+    monkeypatch.setattr(stepcheck, "screen", broken)
+    good = Job(moe, bad=False)
+    before = good.params()
+    with NanSentinel(always_on=True), pytest.warns(RuntimeWarning, match="runs unchecked"):
+        good.step(*good.batch)  # the job goes on: the step is applied
+    assert not all(torch.equal(a, b) for a, b in zip(before, good.model.parameters()))

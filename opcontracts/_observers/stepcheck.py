@@ -141,9 +141,9 @@ class StepCheck:
             self._skip(opt)
             return
         self.steps += 1
+        if self.before is not None:  # the owner's (an armed watch's read; it may raise)
+            self.before(opt)
         try:
-            if self.before is not None:
-                self.before(opt)
             verdict = self.check(opt)
         except Exception as exc:  # the check never stops the job: the step runs unchecked
             from .._engine.callsite import warn_at_caller
