@@ -14,13 +14,23 @@ strict mode passes), built once, forward + backward + an SGD step; 2 and 6 layer
 
 * ``bare``: nothing attached, contracts off;
 * ``strict``: the guards in strict mode, nothing attached;
-* ``sentinel``: the NaN sentinel (``NanSentinel``, contracts off), read at the end of each step;
-* ``sentinel always-on``: ``NanSentinel(always_on=True)``, what to leave on in production;
+* ``sentinel``: the NaN sentinel's per-call watch (``NanSentinel``, contracts off), read at the
+  end of each step;
+* ``watch always-on``: the watch left on (``NanSentinel(always_on=True, watch=True)``: every
+  guarded call checked, no tensor kept, read at ``optimizer.step()``);
+* ``always-on``: ``NanSentinel(always_on=True)``, what to leave on in production: the step
+  checked once at ``optimizer.step()`` (one fused reduction over the gradients, one read),
+  nothing per guarded call;
+* ``always-on replay``: the same with the step's function known (``sentinel.run_step``, what
+  ``@opcontracts.nan_step`` calls): the RNG states taken and the inputs held per step, for a
+  replay;
 * ``compare S``: the shadow compare at sample S (1.0, 0.1, 0.01), contracts off.
 
 Columns: guarded calls per step, host reads per step added to the bare step's (the model's own
 reads, the expert split's ``tolist``, are the bare step's), host copies added (``.cpu()`` /
-``.to("cpu")``: the compare's reference copies), and the median over interleaved rounds of the
+``.to("cpu")``: the compare's reference copies), ops added per step (``+ops``: the ATen ops
+the dispatcher runs, counted by a ``TorchDispatchMode``, forward, backward and optimizer step:
+what would be a kernel launch each on a device), and the median over interleaved rounds of the
 time ratio to the bare step of the same round (a slow phase of a shared machine hits every row
 of a round alike), and the ratio of the best rounds; times are this process's CPU time
 (``time.process_time``: another process's load on a shared machine does not count in it, as it
@@ -29,6 +39,10 @@ spin-waiting swamps small reductions).
 
 ``--batch B`` runs B sequences per step instead of the demo's 4 (the same guarded calls on
 larger tensors: what is per call shrinks relative to the step).
+
+``--replay N`` times, per layer count, the replay of a bad step (the incident's step: fp32
+probs to the bf16-only unpermute) under ``always-on replay``: the seconds the replay took
+(``StepFinding.replay_s``, the watch's read included), as a ratio to the bare step, N times.
 
 ``--paired N`` adds, per observer, N pairs of back-to-back steps, one observed and one with the
 observer switched off at the layer's dispatch (``time_paired``): the median and quartiles of
@@ -42,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import sys
 import time
@@ -51,8 +66,9 @@ from typing import Any
 import torch
 from _host_reads import HostReads
 
-KINDS = ("bare", "strict", "sentinel", "sentinel always-on", "compare 1.0", "compare 0.1",
-         "compare 0.01")
+KINDS = ("bare", "strict", "sentinel", "watch always-on", "always-on", "always-on replay",
+         "compare 1.0", "compare 0.1", "compare 0.01")
+STEPWISE = ("always-on", "always-on replay")  # nothing at the layer: the step's own check
 
 
 @contextlib.contextmanager
@@ -69,7 +85,9 @@ def observed(kind: str) -> Iterator[Callable[[], None]]:
             yield lambda: None
             return
         obs: Any
-        if kind.startswith("sentinel"):
+        if kind in STEPWISE:
+            obs = NanSentinel(always_on=True, on_nan="record")
+        elif kind.startswith(("sentinel", "watch")):
             obs = NanSentinel(**_always_on(kind))
         else:
             obs = ShadowCompare(sample=float(kind.split()[1]))
@@ -80,11 +98,14 @@ def observed(kind: str) -> Iterator[Callable[[], None]]:
 def _always_on(kind: str) -> dict[str, Any]:
     from opcontracts.nan import NanSentinel
 
-    if kind != "sentinel always-on":
+    if kind != "watch always-on":
         return {}
-    if "always_on" not in NanSentinel.__init__.__code__.co_varnames:
+    names = NanSentinel.__init__.__code__.co_varnames
+    if "always_on" not in names:
         return {}  # an older opcontracts: the plain sentinel
-    return {"always_on": True}
+    if "watch" not in names:
+        return {"always_on": True}  # before the step check: always-on was the watch
+    return {"always_on": True, "watch": True}
 
 
 def _boundary(obs: Any) -> None:
@@ -100,12 +121,13 @@ def _boundary(obs: Any) -> None:
 class Step:
     """The demo's model with ``layers`` MoE blocks, built once: forward, backward, SGD step."""
 
-    def __init__(self, model_mod: Any, layers: int) -> None:
+    def __init__(self, model_mod: Any, layers: int, conforming: bool = True) -> None:
         from opcontracts._tools import demo
 
         torch.manual_seed(0)
         self.model = model_mod.MoEModel(vocab=demo.VOCAB, layers=layers).to(torch.bfloat16)
-        self.model.set_fused(True, cast_probs=True)  # conforming: strict mode passes
+        # conforming: the fix applied, strict mode passes; else the incident (NaN gradients)
+        self.model.set_fused(True, cast_probs=conforming)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
         self.batch = demo._batch(0)
 
@@ -116,26 +138,70 @@ class Step:
         self.opt.step()
 
 
-def count(step: Step, kind: str, steps: int = 2) -> tuple[int, int, int]:
-    """(guarded calls, host reads, host copies) per step with ``kind`` attached; the first
-    step warms up, the last is counted with its boundary."""
+def runner(step: Step, kind: str) -> Callable[[], None]:
+    """What runs one observed step of ``kind``: the step itself, or, for ``always-on
+    replay``, the step through the active sentinel's ``run_step`` (its function known)."""
+    if kind != "always-on replay":
+        return step
+    from opcontracts import nan
+
+    s = nan.active()
+    assert s is not None
+    return lambda: s.run_step(step)
+
+
+class OpCount:
+    """ATen ops run through the dispatcher while active (a ``TorchDispatchMode``: forward,
+    backward, which the autograd engine runs with the mode, and the optimizer step)."""
+
+    def __init__(self) -> None:
+        self.ops = 0
+        self._mode: Any = None
+
+    def __enter__(self) -> OpCount:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                                   kwargs: Any = None) -> Any:
+                counter.ops += 1
+                return func(*args, **(kwargs or {}))
+
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
+
+
+def count(step: Step, kind: str, steps: int = 2) -> tuple[int, int, int, int]:
+    """(guarded calls, host reads, host copies, dispatcher ops) per step with ``kind``
+    attached; the first step warms up, the last is counted with its boundary."""
     from opcontracts._observers import layer
     from opcontracts._observers.stats import CallStats
 
     stats = CallStats()
     with observed(kind) as boundary:
+        run = runner(step, kind)
         for _ in range(steps - 1):
-            step()
+            run()
             boundary()
         layer.attach(stats)
         try:
             with HostReads() as reads:
-                step()
+                run()
                 boundary()
         finally:
             layer.detach(stats)
+        # the stats counter is detached again (its own work would count): ops alone
+        with OpCount() as ops:
+            run()
+            boundary()
     calls = sum(stats.calls.values())
-    return calls, reads.total, reads.copies_total
+    return calls, reads.total, reads.copies_total, ops.ops
 
 
 def time_rounds(step: Step, kinds: tuple[str, ...], rounds: int, per: int
@@ -145,18 +211,20 @@ def time_rounds(step: Step, kinds: tuple[str, ...], rounds: int, per: int
     for _ in range(rounds):
         for kind in kinds:
             with observed(kind) as boundary:
-                step()
+                run = runner(step, kind)
+                run()
                 boundary()  # warm (first call of the observer's paths)
                 t0 = time.process_time()
                 for _ in range(per):
-                    step()
+                    run()
                     boundary()
                 times[kind].append((time.process_time() - t0) / per)
     return times
 
 
 def time_paired(step: Step, kind: str, pairs: int,
-                observed_step: Callable[[], None] | None = None) -> list[tuple[float, float]]:
+                observed_step: Callable[[], None] | None = None,
+                clock: Callable[[], float] = time.perf_counter) -> list[tuple[float, float]]:
     """Per pair of consecutive steps, (the observed step's wall time, the bare one's), with
     the observer attached throughout and switched off for the bare step at the layer's
     dispatch (``_Dispatch.observers``: what the wrapper reads before anything else, so the
@@ -164,23 +232,40 @@ def time_paired(step: Step, kind: str, pairs: int,
     which step runs first; a slow phase of a shared machine hits both steps of a pair, so the
     spread of the pairs' ratios is a few percent where whole rounds swing by ten.
     ``observed_step`` runs in place of ``step`` for the observed steps (a caller that
-    accounts something per observed step)."""
+    accounts something per observed step).  The always-on step check has nothing at the
+    layer: its optimizer hooks are taken off for the bare step instead (outside the timer).
+    ``clock``: wall time by default; ``time.process_time`` leaves out what other processes
+    of a loaded machine take."""
+    from opcontracts import nan
     from opcontracts._observers import layer
 
-    pc = time.perf_counter
-    run_observed = step if observed_step is None else observed_step
+    pc = clock
     spans: list[tuple[float, float]] = []
     with observed(kind) as boundary:
+        warm = runner(step, kind)
+        run_observed = warm if observed_step is None else observed_step
         d = layer._dispatch
         on = d.observers
+        s = nan.active() if kind in STEPWISE else None
+        check = s._check if s is not None else None
+
+        def switch(which: bool) -> None:
+            if check is not None:
+                if which:
+                    check.attach()
+                else:
+                    check.remove()
+            else:
+                d.observers = on if which else ()
+
         for _ in range(3):
-            step()
+            warm()
             boundary()
         try:
             for i in range(pairs):
                 pair = {}
                 for which in ((False, True) if i % 2 else (True, False)):
-                    d.observers = on if which else ()
+                    switch(which)
                     t0 = pc()
                     if which:
                         run_observed()
@@ -190,8 +275,33 @@ def time_paired(step: Step, kind: str, pairs: int,
                     pair[which] = pc() - t0
                 spans.append((pair[True], pair[False]))
         finally:
+            switch(True)
             d.observers = on
     return spans
+
+
+def time_replay(model_mod: Any, layers: int, times: int) -> tuple[list[float], list[float]]:
+    """(replay seconds, bare step seconds) of the incident's bad step, ``times`` each: a fresh
+    always-on sentinel per bad step, the step run through ``run_step``, contracts off."""
+    import opcontracts
+    from opcontracts.nan import NanSentinel
+
+    replays: list[float] = []
+    bares: list[float] = []
+    with opcontracts.mode("off"):
+        good = Step(model_mod, layers)
+        good()
+        for _ in range(times):
+            t0 = time.perf_counter()
+            good()
+            bares.append(time.perf_counter() - t0)
+            step = Step(model_mod, layers, conforming=False)  # the parameters before the step
+            with NanSentinel(always_on=True, on_nan="record") as s:
+                s.run_step(step)
+            (finding,) = s.findings
+            assert finding.culprit is not None and finding.replay_s is not None
+            replays.append(finding.replay_s)
+    return replays, bares
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,11 +314,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--paired", type=int, default=0, metavar="N",
                    help="also N step pairs per observer, bare and observed back to back "
                         "(wall time; median and quartiles of the pairs' ratios)")
+    p.add_argument("--replay", type=int, default=0, metavar="N",
+                   help="also time the replay of the incident's bad step, N times")
     p.add_argument("--batch", type=int, default=None, metavar="B",
                    help="sequences of 32 tokens per step (the demo's: 4); a larger step shows "
                         "which costs are per guarded call")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="pairs timed in this process's CPU time (not wall time): another "
+                        "process's load on a shared machine does not count")
     ns = p.parse_args(argv)
     torch.set_num_threads(ns.threads)
+    clock = time.process_time if ns.cpu_time else time.perf_counter
+    clock_name = "CPU time" if ns.cpu_time else "wall time"
     rounds = ns.rounds or (2 if ns.quick else 9)
     per = 1 if ns.quick else 3
     kinds = tuple(ns.kinds)
@@ -219,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     from opcontracts._tools import demo
 
     print(f"{'layers':>6s} {'observer':20s} {'calls':>6s} {'+reads':>7s} {'+copies':>8s} "
-          f"{'median x':>9s} {'best x':>7s} {'bare ms':>8s}")
+          f"{'+ops':>6s} {'median x':>9s} {'best x':>7s} {'bare ms':>8s}")
     if ns.batch:
         demo.BATCH = ns.batch
     with demo._environment() as model_mod:
@@ -229,29 +346,38 @@ def main(argv: list[str] | None = None) -> int:
             times = time_rounds(step, kinds, rounds, per)
             bare = times["bare"]
             for kind in kinds:
-                calls, reads, copies = counted[kind]
+                calls, reads, copies, ops = counted[kind]
                 ratios = [t / b for t, b in zip(times[kind], bare)]
                 print(f"{layers:6d} {kind:20s} {calls:6d} {reads - counted['bare'][1]:7d} "
-                      f"{copies - counted['bare'][2]:8d} {statistics.median(ratios):9.3f} "
+                      f"{copies - counted['bare'][2]:8d} {ops - counted['bare'][3]:6d} "
+                      f"{statistics.median(ratios):9.3f} "
                       f"{min(times[kind]) / min(bare):7.3f} "
                       f"{statistics.median(bare) * 1e3:8.2f}")
             if ns.paired:
                 for kind in kinds:
                     if kind in ("bare", "strict"):
                         continue  # nothing attached to switch off
-                    paired = time_paired(step, kind, ns.paired)
+                    paired = time_paired(step, kind, ns.paired, clock=clock)
                     r = sorted(o / b for o, b in paired)
                     q1, q3 = r[len(r) // 4], r[(3 * len(r)) // 4]
                     # the step's extra time spread over its guarded calls: the figure that does
                     # not shrink with a larger step (``--batch``), i.e. the per-call budget
                     extra = statistics.median(o - b for o, b in paired)
-                    per_call = extra / counted[kind][0] * 1e6
-                    print(f"{layers:6d} {kind:20s} paired x {statistics.median(r):.3f} "
-                          f"(quartiles {q1:.3f}-{q3:.3f}, {len(r)} pairs, wall time), "
-                          f"{per_call:+.0f} us a guarded call")
+                    per_call = extra / max(1, counted[kind][0]) * 1e6
+                    # the step check's cost is per step, not per guarded call
+                    tail = "" if kind in STEPWISE else f", {per_call:+.0f} us a guarded call"
+                    print(f"{layers:6d} {kind:20s} paired x {statistics.median(r):.4f} "
+                          f"(quartiles {q1:.3f}-{q3:.3f}, {len(r)} pairs, {clock_name}), "
+                          f"{extra * 1e6:+.0f} us a step{tail}")
+            if ns.replay:
+                rep, bare_s = time_replay(model_mod, layers, ns.replay)
+                print(f"{layers:6d} replay of a bad step: {statistics.median(rep) * 1e3:.1f} ms "
+                      f"(median of {len(rep)}), {statistics.median(rep) / statistics.median(bare_s):.2f}"
+                      f"x the bare step ({statistics.median(bare_s) * 1e3:.1f} ms)")
     print(f"python {sys.version.split()[0]}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} thread(s), opcontracts {opcontracts.__version__}, "
-          f"{rounds} rounds x {per} steps, {demo.BATCH} x {demo.SEQ} tokens per step")
+          f"{rounds} rounds x {per} steps, {demo.BATCH} x {demo.SEQ} tokens per step; load "
+          f"average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     return 0
 
 

@@ -1,8 +1,9 @@
-"""Where the always-on sentinel's time goes inside a training step: its cost per part, in situ.
+"""Where the watch's time goes inside a training step (left on: ``always_on=True, watch=True``):
+its cost per part, in situ.
 
     python benchmarks/bench_sentinel_parts.py [--steps N] [--layers L] [--batch B]
 
-``bench_accelerator.py`` says what the always-on NaN sentinel costs a step (``paired x``, and
+``bench_accelerator.py`` says what the watch left on costs a step (``paired x``, and
 ``us a guarded call``); this says which part of it costs what, measured inside the demo's
 step (the same model, 6 layers, 4 x 32 tokens, 1 torch thread), not in a loop of its own: a
 part run between the step's kernels finds its code and data out of the caches, and costs two
@@ -98,14 +99,14 @@ def timed_parts(totals: dict[str, float],
 
 def measure(step: Any, steps: int) -> tuple[dict[str, float], list[float], list[float], int]:
     """(part -> seconds per observed step, bare step times, observed step times, guarded calls
-    per step) for the always-on sentinel on ``step``: observed and bare steps in pairs (the
+    per step) for the watch left on, on ``step``: observed and bare steps in pairs (the
     sentinel switched off at the layer's dispatch: ``bench_accelerator.time_paired``), so that
     a slow phase of the machine hits both alike.  Two passes:
     the reductions are timed alone, so that their timers (one per checked tensor) do not
     count in ``checks``; the step times are the first pass's."""
     import bench_accelerator as bench
 
-    calls = bench.count(step, "sentinel always-on")[0]
+    calls = bench.count(step, "watch always-on")[0]
     kept: dict[str, float] = defaultdict(float)
     bare, observed = _pass(step, steps, tuple(p for p in PARTS if p != "reductions"), kept)
     _pass(step, steps, ("reductions",), kept)
@@ -133,7 +134,7 @@ def _pass(step: Any, steps: int, parts: tuple[str, ...],
 
     with timed_parts(totals, parts):
         # the sentinel is made inside the wrappers: its optimizer-step hook is the timed read
-        spans = bench.time_paired(step, "sentinel always-on", steps, observed_step)
+        spans = bench.time_paired(step, "watch always-on", steps, observed_step)
     return [b for _, b in spans], [o for o, _ in spans]
 
 

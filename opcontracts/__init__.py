@@ -28,7 +28,9 @@ if TYPE_CHECKING:
     from ._lang.values import set_value_checks, value_checks_enabled
     from ._lang.versions import set_versions
     from ._tools.preflight import preflight
+    from ._tools.trainer import NanStepCallback
     from .decorator import check, enforce
+    from .nan import nan_step
     from .spec import Arg, Contract, ValueRule, When, load_contracts
 
 # Names whose modules import torch or pydantic are loaded on first access (PEP 562): the pytest
@@ -41,6 +43,7 @@ _LAZY = {
     "check": "decorator", "enforce": "decorator",
     "Arg": "spec", "Contract": "spec", "ValueRule": "spec", "When": "spec",
     "load_contracts": "spec", "use": "_attach.use", "preflight": "_tools.preflight",
+    "nan_step": "nan", "NanStepCallback": "_tools.trainer",
 }
 
 
@@ -93,6 +96,7 @@ __all__ = [
     "ContractFixWarning",
     "ContractViolation",
     "ContractWarning",
+    "NanStepCallback",
     "OpContractsError",
     "Report",
     "ReportFileError",
@@ -107,6 +111,7 @@ __all__ = [
     "get_mode",
     "load_contracts",
     "mode",
+    "nan_step",
     "preflight",
     "register",
     "report",

@@ -517,6 +517,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="run it as the incident ran: N processes (gloo, CPU), the model sharded "
                     "per block with FSDP, the sentinel on; rank 0 prints the merged result "
                     "(under torchrun the job's own processes are used)")
+    pd.add_argument("--sentinel", choices=("always-on", "watch"),
+                    help="the NaN sentinel on the unguarded and fix runs: always-on (the step "
+                    "checked at optimizer.step(), a bad step replayed under the watch; the default "
+                    "with --ranks) or watch (every guarded call checked; the default of "
+                    "--nan-check); implies --nan-check")
     pd.add_argument("--fsdp", type=int, choices=(1, 2),
                     help="with --ranks: FSDP1 (FullyShardedDataParallel, flat parameters; the "
                     "default) or FSDP2 (fully_shard, DTensor parameters)")

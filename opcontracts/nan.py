@@ -24,9 +24,14 @@ Use::
         loss = model(batch); loss.backward()
     print(sentinel.result())          # NanResult: .first, .events, .received
 
-    # a whole run: one host read per optimizer.step(), a warning at the step that went bad
+    # a whole run (production): the step checked at each optimizer.step() (one fused
+    # reduction, one host read, nothing per guarded call); a bad step skipped and replayed
+    # under the watch when its function is known (``nan_step``)
+    @nan_step
+    def train_step(batch): ...
     with NanSentinel(always_on=True):
-        train()
+        for batch in loader:
+            train_step(batch)
 
 or ``opcontracts.nan.enable()`` / ``disable()``, or ``opcontracts run --nan-check script.py``.
 
@@ -52,10 +57,18 @@ the step that turned non-finite costs one more read (the culprit's NaN and inf c
 Counted by ``benchmarks/bench_accelerator.py`` and ``tests/test_host_reads.py``: 1 read per
 training step, 2 or 6 layers alike (it was one per checked tensor: 28 per MoE layer).
 
-``always_on=True`` is the production mode: no tensor of the job is kept until the read (the
-culprit's NaN and inf are then not counted; everything else is named), one read per
-``optimizer.step()``, a ``RuntimeWarning`` at the step that turned non-finite.
-``opcontracts run --nan-check`` and the FSDP demo run it.
+Two modes.  The **watch** (the default, and ``always_on=True, watch=True`` to leave it on for
+a run: no tensor of the job kept until the read, one read per ``optimizer.step()``) checks
+every guarded call, as above: its cost is per guarded call.  **always-on**
+(``always_on=True``) checks the step instead (``_observers.stepcheck``): at every
+``optimizer.step()`` one fused reduction over the gradients (and the loss handed to
+``loss()``), one host read, no hook and no kernel per guarded call; a non-finite step is
+skipped (the parameters stay those it started from) and localised by the watch: replayed on
+the same inputs and RNG states when the step's function is known (``nan_step``,
+``run_step``, ``begin_step``/``record_call``/``end_step`` for a framework's loop:
+``opcontracts.NanStepCallback``), or, when it is not, the watch armed from the next step
+until the NaN recurs (``opcontracts run --nan-check``).  ``NanResult.findings`` says which
+happened and whether the replay reproduced the NaN.
 
 CPU cost when on (``benchmarks/bench_accelerator.py``, ``bench_nan.py``): the checks, the call
 site kept as code + line per call (its text made at report), the module path read off the
@@ -73,37 +86,138 @@ before it (a guard stored on an instance) are not.
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Iterable
+import time
+import warnings
+import weakref
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar, overload
 
 import torch
 from torch import nn
 
-from ._engine.callsite import CallSite
+from ._engine.callsite import CallSite, warn_at_caller
 from ._observers import layer
 from ._observers.deferred import Pending, Slots, StepBoundary
 from ._observers.findings import Findings, later_lines, react
 from ._observers.layer import Call, Direction, Observer
+from ._observers.replay import StepScope
 from ._observers.sections import NanEvent
+from ._observers.stepcheck import StepCheck, StepVerdict
 
 __all__ = [
     "NanEvent",
     "NanResult",
     "NanSentinel",
     "NonFiniteError",
+    "StepFinding",
     "active",
     "disable",
     "enable",
+    "loss",
+    "nan_step",
 ]
 
 OnNan = Literal["record", "warn", "raise"]
+T = TypeVar("T")
+R = TypeVar("R")
 _ON_NAN = ("record", "warn", "raise")
 
 
 # --------------------------------------------------------------------------- results
+How = Literal["replay", "recurrence", "watched", "none"]
+
+
+@dataclass
+class StepFinding:
+    """A training step the always-on sentinel found non-finite at ``optimizer.step()``, and how
+    its first culprit was looked for:
+
+    * ``"replay"``: the step's function was known (``nan_step``, ``run_step``, the
+      transformers callback): the step was run again on the same inputs, from the same
+      parameters, with the RNG states restored, under the per-call watch; ``reproduced``
+      says whether the replay was non-finite too (False: the NaN did not reproduce:
+      nondeterminism, the hardware, a race);
+    * ``"recurrence"``: the step's function was not known (``opcontracts run --nan-check`` on
+      an unmodified script): the watch was armed from the next step on; ``reproduced`` says
+      whether the NaN recurred (at ``at_step``) while it watched (None: still watching);
+    * ``"watched"``: the watch was on for that step already (``watch_first``: the steps before
+      the first ``optimizer.step()``);
+    * ``"none"``: not looked for (a culprit was known already, or too many replays).
+
+    ``culprit`` is the watch's first culprit (op, argument, direction, module path, call
+    site), or None."""
+
+    step: int
+    nonfinite: list[str]                 # which tensors (a few named)
+    nonfinite_count: int                 # how many of ``checked``
+    checked: int
+    skipped: bool = True                 # the optimizer step was skipped
+    ranks_bad: int = 0                   # in a job: ranks whose step was non-finite
+    how: How = "none"
+    reproduced: bool | None = None
+    at_step: int | None = None           # recurrence: the step the culprit was named at
+    culprit: NanEvent | None = None
+    received: NanEvent | None = None     # the first non-finite value a watched op received
+    replay_s: float | None = None
+    note: str | None = None
+
+    def message(self) -> str:
+        what = ", ".join(self.nonfinite[:3]) + (", ..." if self.nonfinite_count > 3 else "")
+        head = (f"step {self.step} non-finite at optimizer.step(): {self.nonfinite_count} of "
+                f"{self.checked} checked tensor(s) ({what or 'on another rank'})")
+        if self.ranks_bad > 1 or (self.ranks_bad and not self.nonfinite_count):
+            head += f"; non-finite on {self.ranks_bad} rank(s)"
+        head += "; the step was skipped (the parameters are those it started from)"
+        lines = [head]
+        if self.how == "replay":
+            took = f", {self.replay_s:.2f} s" if self.replay_s is not None else ""
+            if self.reproduced is None:
+                lines.append(f"  replayed under the watch{took}: {self.note or 'no verdict'}")
+            elif self.reproduced:
+                lines.append(f"  replayed under the watch (same inputs, RNG states restored"
+                             f"{took}): the NaN reproduced")
+            else:
+                lines.append(f"  replayed under the watch (same inputs, RNG states restored"
+                             f"{took}): the NaN did NOT reproduce (the replay is finite): "
+                             "nondeterminism, the hardware, or a race")
+        elif self.how == "watched":
+            lines.append("  the watch was on for this step (watch_first: until the first "
+                         "optimizer.step())")
+        elif self.how == "recurrence":
+            if self.reproduced is None:
+                lines.append(f"  the step's function is not known: the watch is armed from "
+                             f"step {self.step + 1} on, and names the culprit if the NaN recurs")
+            elif self.reproduced:
+                lines.append(f"  the step's function is not known: the watch, armed from step "
+                             f"{self.step + 1}, named the culprit when the NaN recurred at step "
+                             f"{self.at_step}")
+            else:
+                lines.append(f"  the step's function is not known: the watch, armed from step "
+                             f"{self.step + 1}, {self.note or 'saw no NaN recur'}")
+        if self.culprit is not None:
+            lines += ["  " + ln for ln in self.culprit.message().splitlines()]
+        elif self.received is not None and self.reproduced:
+            lines.append("  no guarded op made it (a plain torch op did); the first guarded op "
+                         "that received it:")
+            lines += ["  " + ln for ln in self.received.message().splitlines()]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step, "nonfinite": list(self.nonfinite),
+            "nonfinite_count": self.nonfinite_count, "checked": self.checked,
+            "skipped": self.skipped, "ranks_bad": self.ranks_bad, "how": self.how,
+            "reproduced": self.reproduced, "at_step": self.at_step,
+            "culprit": self.culprit.to_dict() if self.culprit else None,
+            "received": self.received.to_dict() if self.received else None,
+            "replay_s": self.replay_s, "note": self.note,
+        }
+
+
 @dataclass
 class NanResult:
     """What the sentinel found: the first culprit, every culprit seen (bounded), and the first
@@ -114,11 +228,21 @@ class NanResult:
     received: NanEvent | None = None
     calls: int = 0       # guarded calls the sentinel checked
     dropped: int = 0     # culprit events beyond ``max_events``, counted only
+    # the always-on step check: steps checked, the non-finite ones (skipped), how each
+    # localised one was looked into (None: not the always-on step check)
+    steps: int | None = None
+    bad_steps: list[int] = field(default_factory=list)
+    findings: list[StepFinding] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return self.first is not None
 
     def summary(self) -> str:
+        if self.steps is not None:
+            return self._step_summary()
+        return self._plain_summary()
+
+    def _plain_summary(self) -> str:
         if self.first is None:
             text = f"NaN sentinel: no guarded op produced NaN or inf ({self.calls} call(s) checked)"
             if self.received is not None:
@@ -128,24 +252,47 @@ class NanResult:
         lines += later_lines(self.events[1:], self.dropped)
         return "\n".join(lines)
 
+    def _step_summary(self) -> str:
+        bad = self.bad_steps
+        if not self.steps:  # no optimizer.step() seen: what the watch of the first steps saw
+            return self._plain_summary() + ("\n(always-on: no optimizer.step() was seen)"
+                                            if self.first is None else "")
+        if not self.findings and (self.first is not None or self.received is not None):
+            # the watch of the first steps (watch_first) found it, no optimizer step judged it
+            return self._plain_summary() + (f"\n(always-on: {self.steps} optimizer step(s) "
+                                            "checked)")
+        if not bad:
+            return (f"NaN sentinel, always-on: {self.steps} step(s) checked at optimizer.step(), "
+                    "all finite")
+        shown = ", ".join(map(str, bad[:10])) + (" ..." if len(bad) > 10 else "")
+        lines = [f"NaN sentinel, always-on: {len(bad)} of {self.steps} step(s) non-finite "
+                 f"(skipped: step {shown}); {self.calls} guarded call(s) checked by the watch"]
+        lines += [f.message() for f in self.findings]
+        lines += later_lines(self.events[1:], self.dropped)
+        return "\n".join(lines)
+
     def __str__(self) -> str:
         return self.summary()
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "first": self.first.to_dict() if self.first else None,
             "events": [e.to_dict() for e in self.events],
             "received": self.received.to_dict() if self.received else None,
             "calls": self.calls,
             "dropped": self.dropped,
         }
+        if self.steps is not None:
+            out["always_on"] = {"steps": self.steps, "bad_steps": list(self.bad_steps),
+                                "findings": [f.to_dict() for f in self.findings]}
+        return out
 
 
 class NonFiniteError(ArithmeticError):
     """Raised by a sentinel with ``on_nan="raise"`` at the first culprit."""
 
-    def __init__(self, event: NanEvent) -> None:
-        super().__init__(event.message())
+    def __init__(self, event: NanEvent, message: str | None = None) -> None:
+        super().__init__(message or event.message())
         self.event = event
 
 
@@ -214,22 +361,30 @@ class NanSentinel(Observer):
     modules = True   # events name the nn.Module path
 
     def __init__(self, *, on_nan: OnNan | None = None, max_events: int = 32,
-                 always_on: bool = False, step_hook: bool | None = None,
-                 limit: int = 4096, keep_bytes: int = 256 << 20) -> None:
+                 always_on: bool = False, watch: bool = False, step_hook: bool | None = None,
+                 limit: int = 4096, keep_bytes: int = 256 << 20, sync: bool | None = None,
+                 arm_steps: int = 100, max_replays: int = 3, watch_first: bool = False) -> None:
         if on_nan is None:
             on_nan = "warn" if always_on else "record"
         if on_nan not in _ON_NAN:
             raise ValueError(f"on_nan must be one of {', '.join(_ON_NAN)}, not {on_nan!r}")
         if limit < 1:
             raise ValueError(f"limit must be at least 1, not {limit!r}")
+        if arm_steps < 1:
+            raise ValueError(f"arm_steps must be at least 1, not {arm_steps!r}")
         self.on_nan = on_nan
         self.max_events = max_events
         self.always_on = always_on
-        self.step_hook = always_on if step_hook is None else step_hook
+        # the per-step check (always_on without watch): nothing per guarded call; the watch
+        # runs only in a replay, or armed after a bad step
+        self.stepwise = always_on and not watch
+        self.step_hook = (always_on and not self.stepwise) if step_hook is None else step_hook
         # react at the call (per-call reads) only when the reaction must come from the call
-        self._at_call = on_nan == "raise" or (on_nan == "warn" and not always_on)
+        self._at_call = not self.stepwise and (
+            on_nan == "raise" or (on_nan == "warn" and not always_on))
         # bytes of the job's tensors kept until the read (to count the culprit's NaN and inf);
         # beyond, a check keeps only its flag
+        self._keep_bytes = keep_bytes
         self._keep_budget = 0 if always_on else keep_bytes
         self._kept = 0
         self._lock = threading.Lock()
@@ -243,17 +398,41 @@ class NanSentinel(Observer):
         self._bad_steps: list[int] = []
         self._pending: Slots[_Check] = Slots(2, limit, on_full=self._read)
         self._boundary: StepBoundary | None = None
+        # the always-on step check (``stepwise``)
+        self.sync = sync
+        self.arm_steps = arm_steps
+        self.max_replays = max_replays
+        self._check: StepCheck | None = None
+        self._findings: list[StepFinding] = []
+        self._scope: StepScope | None = None
+        self._scope_bad: tuple[StepFinding, Any] | None = None  # (finding, weak optimizer)
+        self._armed: StepFinding | None = None
+        self._armed_finite = 0
+        self._watching = False  # attached to the layer (a replay, armed, or watch_first)
+        self._replays = 0
+        # the watch on until the first optimizer.step() (a script without one, a first step)
+        self._first_watch = self.stepwise and watch_first
 
     # ----------------------------------------------------------------- public
     def enable(self) -> NanSentinel:
-        """Watch every guarded op (idempotent: a second call picks up new ones)."""
+        """Watch every guarded op (idempotent: a second call picks up new ones); always-on
+        (without ``watch``): check every ``optimizer.step()``."""
         global _active
         with _lock:
             if _active is not None and _active is not self:
                 raise RuntimeError("another NanSentinel is active; disable it first")
             self._enabled = True
             _active = self
-            layer.attach(self, who="opcontracts.nan")
+            if self.stepwise:
+                if self._check is None:
+                    self._check = StepCheck(self._on_step, self._before_step, self.sync)
+                self._check.attach()
+                if self._first_watch and not self._watching:
+                    self._watching = True
+                if self._watching:
+                    layer.attach(self, who="opcontracts.nan")
+            else:
+                layer.attach(self, who="opcontracts.nan")
             if self.step_hook and self._boundary is None:
                 self._boundary = StepBoundary(self.step)
         return self
@@ -264,7 +443,10 @@ class NanSentinel(Observer):
         global _active
         with _lock:
             if self._enabled:
-                layer.detach(self)
+                if not self.stepwise or self._watching:
+                    layer.detach(self)
+                if self._check is not None:
+                    self._check.remove()
                 if _active is self:
                     _active = None
                 self._enabled = False
@@ -287,11 +469,21 @@ class NanSentinel(Observer):
             self._seq = 0
             self._steps = 0
             self._bad_steps = []
+            self._findings = []
+            self._replays = 0
+        if self._check is not None:
+            self._check.steps = 0
+            self._check.bad_steps = []
 
     def step(self) -> bool:
         """The end of a training step: read the checks the step left on the device (one host
         read) and judge them; whether a culprit is known now.  Called by ``optimizer.step()``
-        with ``step_hook``."""
+        with ``step_hook``.  Always-on (without ``watch``) the steps are counted at
+        ``optimizer.step()`` itself: this only reads what an armed watch left."""
+        if self.stepwise:  # nothing waits unless the watch is on (a replay, armed)
+            if self._watching:
+                self._read()
+            return self._found.first is not None
         self._read()
         with self._lock:
             self._steps += 1
@@ -301,20 +493,36 @@ class NanSentinel(Observer):
 
     @property
     def steps(self) -> int:
-        """Step boundaries seen (``step()`` calls)."""
+        """Step boundaries seen (``step()`` calls; always-on: ``optimizer.step()`` calls)."""
+        if self.stepwise:
+            return self._check.steps if self._check is not None else 0
         return self._steps
 
     @property
     def first_bad_step(self) -> int | None:
-        """The step (1-based, counted by ``step()``) whose read found the first culprit."""
+        """The step (1-based, counted by ``step()``) whose read found the first culprit;
+        always-on: the first ``optimizer.step()`` found non-finite."""
+        if self.stepwise:
+            bad = self._check.bad_steps if self._check is not None else []
+            return bad[0] if bad else None
         return self._bad_steps[0] if self._bad_steps else None
+
+    @property
+    def findings(self) -> list[StepFinding]:
+        """Always-on: the non-finite steps looked into (replayed, or watched for a recurrence)."""
+        return list(self._findings)
 
     def result(self) -> NanResult:
         """What was found so far (reads the checks still on the device first)."""
         self._read()
         with self._lock:
             f = self._found
-            return NanResult(f.first, list(f.events), self._received, self._calls, f.dropped)
+            res = NanResult(f.first, list(f.events), self._received, self._calls, f.dropped)
+        if self.stepwise:
+            res.steps = self.steps
+            res.bad_steps = list(self._check.bad_steps) if self._check is not None else []
+            res.findings = list(self._findings)
+        return res
 
     def __enter__(self) -> NanSentinel:
         return self.enable()
@@ -322,6 +530,206 @@ class NanSentinel(Observer):
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.disable()
+
+    # ----------------------------------------------------------------- always-on: steps
+    def loss(self, t: T) -> T:
+        """Check ``t`` (the step's loss) with the gradients at the next ``optimizer.step()``
+        (always-on; no host read of its own); returns ``t``."""
+        if self._check is not None and isinstance(t, torch.Tensor):
+            self._check.loss(t)
+        return t
+
+    def run_step(self, fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> R:
+        """``fn(*args, **kwargs)``: one training step (forward, backward, ``optimizer.step()``)
+        whose function is known, so that a non-finite step is replayed: run again on the same
+        arguments, from the parameters the bad step started from (it was skipped) and the RNG
+        states it started from, under the per-call watch, which names the first culprit.  The
+        arguments are held only while the step runs (by reference: nothing is copied).  What
+        ``@nan_step`` calls.  Without an always-on sentinel it is ``fn(*args, **kwargs)``."""
+        if not self.begin_step():
+            return fn(*args, **kwargs)
+        try:
+            self.record_call(fn, args, kwargs)
+            out = fn(*args, **kwargs)
+        except BaseException:
+            self._close_scope()
+            raise
+        self.end_step()
+        return out
+
+    def begin_step(self) -> bool:
+        """Open a step whose calls are recorded (``record_call``) until ``end_step()``, which
+        replays them if the step went non-finite (the RNG states are taken here); whether one
+        was opened (not when the sentinel is not always-on, or a step is open, or in a
+        replay).  ``run_step`` and the transformers callback use it."""
+        if (not self.stepwise or not self._enabled or self._scope is not None
+                or (self._check is not None and self._check.replaying)):
+            return False
+        self._scope = StepScope()
+        self._scope_bad = None
+        return True
+
+    def record_call(self, fn: Callable[..., Any], args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> None:
+        """Record a call of the open step (forward and backward: what a replay runs again)."""
+        scope = self._scope
+        if scope is not None and not (self._check is not None and self._check.replaying):
+            scope.record(fn, args, kwargs)
+
+    def end_step(self, clear_grads: bool = False) -> StepFinding | None:
+        """Close the open step: replay it if it went non-finite (the finding), else drop its
+        inputs.  ``clear_grads``: set the gradients to None after a replay (for a loop that
+        accumulates into ``.grad`` from one step to the next, as the transformers Trainer)."""
+        scope, bad = self._scope, self._scope_bad
+        self._scope = self._scope_bad = None
+        if scope is None or bad is None:
+            if scope is not None:
+                scope.release()
+            return None
+        finding, ref = bad
+        opt = ref()
+        try:
+            self._replay(scope, finding, opt)
+        finally:
+            scope.release()
+            if clear_grads and opt is not None:
+                for group in opt.param_groups:
+                    for p in group["params"]:
+                        p.grad = None
+        return finding
+
+    def _close_scope(self) -> None:
+        scope = self._scope
+        self._scope = None
+        self._scope_bad = None
+        if scope is not None:
+            scope.release()
+
+    def _on_step(self, v: StepVerdict) -> None:
+        """After the check of every ``optimizer.step()`` (the step is skipped already when
+        ``v`` is not finite)."""
+        armed = self._armed
+        if v.finite:
+            if armed is not None and armed.culprit is None:
+                self._armed_finite += 1
+                if self._armed_finite >= self.arm_steps:
+                    armed.reproduced = False
+                    armed.note = f"saw no NaN recur in {self.arm_steps} step(s), and was disarmed"
+                    self._disarm()
+            return
+        f = StepFinding(v.step, v.nonfinite, v.nonfinite_count, v.checked, ranks_bad=v.ranks_bad)
+        if v.step == 1 and self._found.first is not None and not self._findings:
+            f.how, f.culprit, f.reproduced, f.at_step = "watched", self._found.first, True, 1
+            self._findings.append(f)
+            self._tell(f)
+            return
+        localise = (self._found.first is None and armed is None
+                    and self._replays < self.max_replays
+                    and len(self._findings) < self.max_events)
+        if armed is not None and armed.culprit is not None and armed.at_step == v.step:
+            return  # the recurrence itself: told with the armed finding
+        if not localise:
+            return  # counted in bad_steps only
+        self._findings.append(f)
+        if self._scope is not None:
+            f.how = "replay"
+            self._scope_bad = (f, weakref.ref(v.optimizer) if v.optimizer is not None
+                               else (lambda: None))
+            return
+        f.how = "recurrence"
+        self._arm(f)
+        self._tell(f)
+
+    def _before_step(self, _opt: Any) -> None:
+        """At every ``optimizer.step()``, before the check: an armed watch reads the step's
+        checks (the NaN recurred when it names a culprit)."""
+        if self._first_watch:
+            self._first_watch = False
+            self._read()
+            self._disarm()
+        armed = self._armed
+        if armed is None:
+            return
+        self._read()
+        first = self._found.first
+        if first is not None:
+            armed.culprit = first
+            armed.reproduced = True
+            armed.at_step = self.steps
+            self._disarm()
+            self._tell(armed)
+        elif self._received is not None and armed.received is None:
+            armed.received = self._received
+
+    def _arm(self, f: StepFinding) -> None:
+        self._armed = f
+        self._armed_finite = 0
+        self._keep_budget = 0  # a long run: no tensor of the job kept
+        self._pending.clear()
+        self._watching = True
+        layer.attach(self, who="opcontracts.nan")
+
+    def _disarm(self) -> None:
+        self._armed = None
+        if self._watching:
+            self._watching = False
+            layer.detach(self)
+
+    def _replay(self, scope: StepScope, f: StepFinding, opt: Any) -> None:
+        """Run the bad step's calls again under the watch: the gradients cleared, the RNG
+        states the step started from, the optimizer step skipped; the job's RNG states
+        afterwards are those it had before the replay."""
+        from ._observers.replay import RngStates
+
+        check = self._check
+        assert check is not None
+        self._replays += 1
+        t0 = time.perf_counter()
+        after = RngStates()
+        if opt is not None:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+        scope.rng.restore()
+        self._pending.clear()
+        self._keep_budget, self._kept = self._keep_bytes, 0
+        check.replaying = True
+        self._watching = True
+        layer.attach(self, who="opcontracts.nan")
+        error: BaseException | None = None
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # the job's own, seen already
+                for fn, args, kwargs in scope.calls:
+                    fn(*args, **kwargs)
+        except Exception as exc:  # the replay must not stop the job
+            error = exc
+        finally:
+            self._watching = False
+            layer.detach(self)
+            check.replaying = False
+            self._keep_budget = 0
+            after.restore()
+        self._read()
+        f.culprit = self._found.first
+        f.received = self._received
+        if error is not None:
+            f.note = f"the replay raised {type(error).__name__}: {error}"
+        elif opt is not None:
+            again = check.check(opt)
+            f.reproduced = not again.finite or f.culprit is not None
+        else:
+            f.reproduced = f.culprit is not None or f.received is not None
+        f.replay_s = time.perf_counter() - t0
+        self._tell(f)
+
+    def _tell(self, f: StepFinding) -> None:
+        """React to a finding: warn (at the user's line) or raise at a named culprit."""
+        if self.on_nan == "record":
+            return
+        if self.on_nan == "raise" and f.culprit is not None:
+            raise NonFiniteError(f.culprit, f.message())
+        warn_at_caller("opcontracts.nan: " + f.message(), RuntimeWarning)
 
     # ----------------------------------------------------------------- the read
     def _read(self) -> None:
@@ -404,7 +812,7 @@ class NanSentinel(Observer):
                     self._received = ev
                 return
             first = self._found.add(ev)
-        if first:
+        if first and not self.stepwise:  # always-on: told with its step (``_tell``)
             react(self.on_nan, ev.message(), lambda: NonFiniteError(ev))
 
     # ----------------------------------------------------------------- the observed call
@@ -483,7 +891,7 @@ _active: NanSentinel | None = None
 
 # --------------------------------------------------------------------------- module functions
 def enable(*, on_nan: OnNan | None = None, max_events: int = 32, always_on: bool = False,
-           step_hook: bool | None = None) -> NanSentinel:
+           watch: bool = False, step_hook: bool | None = None) -> NanSentinel:
     """Turn the sentinel on (or return the active one, re-syncing with the patch); the
     arguments are ``NanSentinel``'s."""
     with _lock:
@@ -491,7 +899,7 @@ def enable(*, on_nan: OnNan | None = None, max_events: int = 32, always_on: bool
         if s is not None:
             return s.enable()
         return NanSentinel(on_nan=on_nan, max_events=max_events, always_on=always_on,
-                           step_hook=step_hook).enable()
+                           watch=watch, step_hook=step_hook).enable()
 
 
 def disable() -> NanResult | None:
@@ -504,3 +912,54 @@ def disable() -> NanResult | None:
 def active() -> NanSentinel | None:
     """The sentinel that is on, or None."""
     return _active
+
+
+def loss(t: T) -> T:
+    """Hand the step's loss to the active always-on sentinel: it is checked with the gradients
+    at the next ``optimizer.step()`` (in the same reduction and read); returns ``t``."""
+    s = _active
+    return s.loss(t) if s is not None else t
+
+
+@overload
+def nan_step(fn: Callable[..., R], /) -> Callable[..., R]: ...
+@overload
+def nan_step(*, sentinel: NanSentinel | None = None
+             ) -> Callable[[Callable[..., R]], Callable[..., R]]: ...
+
+
+def nan_step(fn: Callable[..., R] | None = None, /, *, sentinel: NanSentinel | None = None
+             ) -> Any:
+    """Mark a training step function (forward, backward, ``optimizer.step()``; its inputs as
+    arguments) so that the always-on sentinel can replay a step that goes non-finite::
+
+        @opcontracts.nan_step
+        def train_step(batch):
+            opt.zero_grad(); loss = model(batch); loss.backward(); opt.step()
+            return loss
+
+        with NanSentinel(always_on=True):
+            for batch in loader:
+                train_step(batch)
+
+    A non-finite step is skipped at its ``optimizer.step()`` and, when the function returns,
+    run again on the same arguments (held by reference while the step runs, dropped when it
+    ends well), from the same parameters and RNG states, under the per-call watch: the
+    sentinel's result names the first culprit, or says that the NaN did not reproduce.  The
+    replay starts from the gradients cleared (as after ``zero_grad()``) and leaves the
+    replay's gradients; its optimizer step is skipped too.  Without an active always-on
+    sentinel (or ``sentinel``) the function runs as it is.  Why not a ``with`` block: a
+    block's body cannot be run twice."""
+
+    def wrap(f: Callable[..., R]) -> Callable[..., R]:
+        @functools.wraps(f)
+        def step(*args: Any, **kwargs: Any) -> R:
+            s = sentinel if sentinel is not None else _active
+            if s is None or not s.stepwise:
+                return f(*args, **kwargs)
+            return s.run_step(f, *args, **kwargs)
+
+        step.__opcontracts_nan_step__ = True  # type: ignore[attr-defined]
+        return step
+
+    return wrap(fn) if fn is not None else wrap

@@ -91,7 +91,9 @@ def test_sentinel_reads_once_per_step_and_names_the_same_culprit(
     bare, _ = _reads(_step(moe, layers))
     per_call, at_call = _reads(_step(moe, layers), NanSentinel(on_nan="warn"))
     deferred, once = _reads(_step(moe, layers), NanSentinel())
-    always, always_on = _reads(_step(moe, layers), NanSentinel(always_on=True, on_nan="record"))
+    # the watch left on for a whole run (``always_on=True, watch=True``: no tensor kept)
+    always, always_on = _reads(_step(moe, layers),
+                               NanSentinel(always_on=True, watch=True, on_nan="record"))
     assert deferred - bare <= 2 and always - bare <= 2, (bare, deferred, always)
     assert per_call - bare >= 4 * layers  # the counter would see per-call reads
     assert _first(once) == _first(at_call) == _first(always_on)
@@ -118,11 +120,11 @@ def test_compare_reads_once_per_step_and_names_the_same_divergence(
     assert sampled - bare <= 2
 
 
-def test_the_always_on_sentinel_reads_at_each_optimizer_step(moe: types.ModuleType) -> None:
+def test_the_watch_left_on_reads_at_each_optimizer_step(moe: types.ModuleType) -> None:
     step = _step(moe, 2)
     with opcontracts.mode("off"), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RuntimeWarning)
-        with NanSentinel(always_on=True) as s:
+        with NanSentinel(always_on=True, watch=True) as s:
             step()  # optimizer.step() is the step boundary: the read, the warning
             assert s.steps == 1 and s.first_bad_step == 1
             assert any("first non-finite value" in str(w.message) for w in caught)
@@ -214,7 +216,7 @@ def test_the_paired_benchmark_observes_one_step_of_each_pair(moe: types.ModuleTy
 
     monkeypatch.setattr(NanSentinel, "begin", counting)
     step = bench_accelerator.Step(moe, 2)
-    ratios = bench_accelerator.time_paired(step, "sentinel always-on", 4)
+    ratios = bench_accelerator.time_paired(step, "watch always-on", 4)
     assert len(ratios) == 4 and all(o > 0 and b > 0 for o, b in ratios)
     per_step = 4  # 2 layers: a permute and an unpermute each
     assert len(begun) == per_step * (3 + 4)  # the 3 warm steps and one step of each pair

@@ -115,7 +115,7 @@ def test_the_backward_of_an_op_handed_a_nan_is_not_blamed(mulops: types.ModuleTy
     w = torch.tensor([2.0, 3.0], requires_grad=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # always_on warns at a culprit: there is none
-        with NanSentinel(always_on=always_on) as s:
+        with NanSentinel(always_on=always_on, watch=True) as s:
             getattr(mulops, op)(x, w).sum().backward()  # the gradient flowing in is finite
     r = s.result()
     assert r.first is None and r.events == [], r.summary()
@@ -133,7 +133,7 @@ def test_after_a_received_nan_the_first_op_that_makes_one_is_still_named(
     v = torch.tensor([1.0, 1.0], requires_grad=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with NanSentinel(always_on=always_on) as s:
+        with NanSentinel(always_on=always_on, watch=True) as s:
             a = mulops.fused(x, w)                  # handed a NaN: received
             b = mulops.nan_grad(v, w)               # finite in, NaN made in its backward
             (a.sum() + b.sum()).backward()
@@ -149,7 +149,7 @@ def test_a_backward_handed_a_non_finite_gradient_is_received(mulops: types.Modul
                                                              always_on: bool) -> None:
     x = torch.tensor([1.0, 2.0], requires_grad=True)
     w = torch.tensor([2.0, 3.0], requires_grad=True)
-    with NanSentinel(always_on=always_on) as s:
+    with NanSentinel(always_on=always_on, watch=True) as s:
         (mulops.fused(x, w) * float("nan")).sum().backward()  # NaN made by plain torch
     r = s.result()
     assert r.first is None and r.received is not None
@@ -250,7 +250,7 @@ def _sentinel_warnings_at_the_users_lines(mod: types.ModuleType) -> list[tuple[s
     out = []
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        with NanSentinel(always_on=True):  # read and warned at optimizer.step()
+        with NanSentinel(always_on=True, watch=True):  # read and warned at optimizer.step()
             mod.nan_grad(torch.ones(2, requires_grad=True), w).sum().backward()
             opt.step()  # STEP
         with NanSentinel(on_nan="warn"):  # read and warned in the backward hook

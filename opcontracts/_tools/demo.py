@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from .._engine.records import aligned
+from ..nan import nan_step
 
 __all__ = ["DemoResult", "DistResult", "Scenario", "format_dist", "format_table", "run",
            "run_demo", "run_rank"]
@@ -363,14 +364,26 @@ def _train_step(model_mod: types.ModuleType, seed: int, batch: tuple[Any, Any], 
         inner = model_mod.MoEModel(vocab=VOCAB)
     inner.set_fused(fused)
     model = setting.wrap(inner, model_mod)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     probs_grads, handles = _watch_probs(model, model_mod.Router)
-    try:
-        loss = model(*batch)
+
+    # the step's function, known to an always-on sentinel (``nan_step``): a step that turns
+    # non-finite is skipped at opt.step() and replayed under the watch
+    @nan_step
+    def train_step(ids: Any, targets: Any) -> Any:
+        opt.zero_grad(set_to_none=True)
+        loss = model(ids, targets)
         loss.backward()
+        opt.step()
+        return loss
+
+    try:
+        loss = train_step(*batch)
     finally:
         for h in handles:
             h.remove()
-    return _Step(float(loss.detach()), setting.grads(model), probs_grads)
+    # a replay runs the routers again: the first call of each is the step's
+    return _Step(float(loss.detach()), setting.grads(model), probs_grads[:len(handles)])
 
 
 def _max_abs_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
@@ -445,12 +458,14 @@ def _intro(seed: int, where: str) -> list[str]:
 
 def _run_all(scenarios: list[Scenario], model_mod: types.ModuleType, seed: int,
              batch: tuple[Any, Any], nan_check: bool, setting: _Setting,
-             say: Callable[[str], None], compare: bool = False) -> None:
+             say: Callable[[str], None], compare: bool = False,
+             sentinel: str | None = None) -> None:
     ref: Scenario | None = None
     ref_step: _Step | None = None
     for i, sc in enumerate(scenarios, 1):
         say(f"[{i}/4] {sc.name}: {sc.description} ...")
-        step = _run_scenario(sc, model_mod, seed, batch, ref_step, nan_check, setting, compare)
+        step = _run_scenario(sc, model_mod, seed, batch, ref_step, nan_check, setting, compare,
+                             sentinel)
         if sc.name == "reference":
             ref, ref_step = sc, step
         _judge(sc, ref)
@@ -461,7 +476,8 @@ def _run_all(scenarios: list[Scenario], model_mod: types.ModuleType, seed: int,
 
 
 def run_demo(seed: int = 0, nan_check: bool = False,
-             out: Callable[[str], None] | None = None) -> DemoResult:
+             out: Callable[[str], None] | None = None, sentinel: str | None = None
+             ) -> DemoResult:
     """Run the four scenarios in this process; ``out`` receives the progress lines (default:
     stdout).
 
@@ -476,7 +492,8 @@ def run_demo(seed: int = 0, nan_check: bool = False,
     say("")
     scenarios = _scenarios()
     with _environment() as model_mod:
-        _run_all(scenarios, model_mod, seed, _batch(seed), nan_check, SINGLE, say)
+        _run_all(scenarios, model_mod, seed, _batch(seed), nan_check, SINGLE, say,
+                 sentinel=sentinel)
     wall = time.perf_counter() - t0
     ok = all(sc.ok for sc in scenarios)
     return DemoResult(ok, PROFILE, PROFILE_WHY, seed, _tolerance(), scenarios, wall)
@@ -488,7 +505,7 @@ def _tolerance() -> dict[str, float]:
 
 def _run_scenario(sc: Scenario, model_mod: types.ModuleType, seed: int, batch: tuple[Any, Any],
                   ref: _Step | None, nan_check: bool, setting: _Setting = SINGLE,
-                  compare: bool = False) -> _Step | None:
+                  compare: bool = False, sentinel_kind: str | None = None) -> _Step | None:
     """One training step in ``sc``'s mode; fills ``sc`` with what came out.  ``compare``: the
     unguarded step also runs under the golden compare (``opcontracts.compare``: every guarded
     call against its plain-PyTorch reference, contracts off)."""
@@ -500,9 +517,11 @@ def _run_scenario(sc: Scenario, model_mod: types.ModuleType, seed: int, batch: t
     if nan_check and sc.name in ("unguarded", "fix"):
         from ..nan import NanSentinel
 
-        # a job's ranks run the always-on sentinel, what a production run leaves on (one read
-        # per step, at the end of the step; the culprit's NaN and inf are then not counted)
-        sentinel = NanSentinel(always_on=setting is not SINGLE, on_nan="record").enable()
+        # ``always-on`` (a job's ranks, by default): what a production run leaves on, the step
+        # checked at opt.step() (one read), a bad step skipped and replayed under the watch;
+        # ``watch`` (one process, by default): every guarded call checked
+        kind = sentinel_kind or ("watch" if setting is SINGLE else "always-on")
+        sentinel = NanSentinel(always_on=kind == "always-on", on_nan="record").enable()
     if compare and sc.name == "unguarded":
         from ..compare import ShadowCompare
 
@@ -594,8 +613,8 @@ def _judge(sc: Scenario, ref: Scenario | None) -> None:
 
 
 # --------------------------------------------------------------------------- --ranks N
-def run_rank(seed: int = 0, fsdp: int = 1, out: Callable[[str], None] | None = None
-             ) -> DistResult:
+def run_rank(seed: int = 0, fsdp: int = 1, out: Callable[[str], None] | None = None,
+             sentinel: str | None = None) -> DistResult:
     """This process's part of ``opcontracts demo --ranks N``: the four scenarios on this rank's
     data shard, the model sharded with FSDP ``fsdp``, the NaN sentinel on.
 
@@ -627,7 +646,7 @@ def run_rank(seed: int = 0, fsdp: int = 1, out: Callable[[str], None] | None = N
         scenarios = _scenarios()
         with _environment() as model_mod:
             _run_all(scenarios, model_mod, seed, _batch(seed, rank), True, _fsdp_setting(fsdp),
-                     say, compare=True)
+                     say, compare=True, sentinel=sentinel)
         merged = gather_report(records.report())  # a collective: every rank calls it
         payloads = demo_dist.all_gather(
             {"rank": rank, "scenarios": [_plain(asdict(sc)) for sc in scenarios]})
@@ -665,6 +684,11 @@ def _first_events(per_rank: list[list[Scenario]]) -> dict[str, dict[str, Any]]:
                  for r, scs in enumerate(per_rank)]
         merged = merge_nan(files)
         if merged is not None:
+            # the always-on sentinel: per rank, the first non-finite step and how its culprit
+            # was looked for (replay: reproduced or not)
+            merged["always_on"] = {
+                str(p["rank"]): p["always_on"]["findings"][0]
+                for p in merged["per_rank"] if p.get("always_on", {}).get("findings")}
             merged.pop("per_rank", None)  # each rank's section is under per_rank already
             out[sc.name] = merged
     return out
@@ -692,12 +716,12 @@ def _golden_compare(per_rank: list[list[Scenario]]) -> dict[str, Any] | None:
     return merged
 
 
-def _as_rank(seed: int, fsdp: int, json_path: str | None) -> int:
+def _as_rank(seed: int, fsdp: int, json_path: str | None, sentinel: str | None = None) -> int:
     """Run this rank's part; rank 0 prints the merged result and writes ``--json``; the exit
     status.  What each process started by ``--ranks N`` runs (module level: the launcher
     spawns, and the new interpreter imports it by name), and what a torchrun'd one calls."""
     try:
-        result = run_rank(seed=seed, fsdp=fsdp)
+        result = run_rank(seed=seed, fsdp=fsdp, sentinel=sentinel)
     except _CannotRun as exc:  # every rank sees the same environment: every rank stops here
         if _rank_of_env() == 0:
             print(f"opcontracts demo: {exc}", file=sys.stderr)
@@ -717,7 +741,8 @@ def _rank_of_env() -> int:
     return int(r) if r.isdigit() else 0
 
 
-def _launch(ranks: int, fsdp: int, seed: int, json_path: str | None) -> int:
+def _launch(ranks: int, fsdp: int, seed: int, json_path: str | None,
+            sentinel: str | None = None) -> int:
     """Start ``ranks`` processes that each run ``_as_rank``; rank 0's exit status."""
     from . import demo_dist
 
@@ -728,7 +753,7 @@ def _launch(ranks: int, fsdp: int, seed: int, json_path: str | None) -> int:
           f"FSDP{fsdp}) ...", flush=True)
     t0 = time.perf_counter()
     try:
-        codes = demo_dist.launch(ranks, _as_rank, seed, fsdp, json_path)
+        codes = demo_dist.launch(ranks, _as_rank, seed, fsdp, json_path, sentinel)
     except demo_dist.LaunchError as exc:
         print(f"opcontracts demo: {exc}", file=sys.stderr)
         return 1
@@ -819,6 +844,12 @@ def _nan_text(name: str, nan: dict[str, Any], n: int) -> list[str]:
     )
 
     lines.extend("  " + ln for ln in _event_message(first).splitlines())
+    for r, f in sorted(nan.get("always_on", {}).items()):
+        how = {"replay": "replayed under the watch: the NaN "
+               + ("reproduced" if f.get("reproduced") else "did not reproduce"),
+               "recurrence": "the watch armed for a recurrence"}.get(f.get("how"), "")
+        lines.append(f"  always-on, rank {r}: step {f['step']} non-finite at optimizer.step(), "
+                     f"skipped; {how}")
     rows = [("ranks", "op", "direction", "module path in the job", "without wrappers")]
     for g in nan["firsts"]:
         e = g["event"]
@@ -902,6 +933,7 @@ def _run(ns: argparse.Namespace, out: IO[str] | None) -> int:
 
     ranks: int | None = getattr(ns, "ranks", None)
     fsdp: int | None = getattr(ns, "fsdp", None)
+    sentinel: str | None = getattr(ns, "sentinel", None)
     world = under_launcher()
     try:
         if fsdp == 2 and (why := fsdp2_missing()) is not None:
@@ -911,15 +943,16 @@ def _run(ns: argparse.Namespace, out: IO[str] | None) -> int:
                 raise _CannotRun(f"--ranks {ranks}, but this process is one rank of a job of "
                                  f"{world} (WORLD_SIZE): leave --ranks out under torchrun, or "
                                  "make them agree")
-            return _as_rank(ns.seed, fsdp or 1, ns.json)
+            return _as_rank(ns.seed, fsdp or 1, ns.json, sentinel)
         if ranks is not None:
             if not 1 <= ranks <= MAX_RANKS:
                 raise _CannotRun(f"--ranks must be between 1 and {MAX_RANKS}, not {ranks}")
-            return _launch(ranks, fsdp or 1, ns.seed, ns.json)
+            return _launch(ranks, fsdp or 1, ns.seed, ns.json, sentinel)
         if fsdp is not None:
             raise _CannotRun("--fsdp shards the model over several ranks: give --ranks N too "
                              "(or start the demo under torchrun)")
-        result = run_demo(seed=ns.seed, nan_check=ns.nan_check)
+        result = run_demo(seed=ns.seed, nan_check=ns.nan_check or sentinel is not None,
+                          sentinel=sentinel)
     except _CannotRun as exc:
         print(f"opcontracts demo: {exc}", file=sys.stderr)
         return 2

@@ -69,9 +69,10 @@ options:
   --contracts PATH also load the contracts of this file or folder (repeatable; added to the
                    shipped ones, as OPCONTRACTS_CONTRACTS is, and passed on to the processes
                    the script starts); a file with a problem stops the run (exit status 2)
-  --nan-check      watch the guarded ops for the first one that produces NaN/inf
-                   (opcontracts.nan, always-on: one host read per optimizer step); its
-                   finding is printed with the report
+  --nan-check      the always-on NaN sentinel (opcontracts.nan): each optimizer step checked
+                   (one host read), a non-finite one skipped and the guarded ops watched
+                   from the next step until the NaN recurs (and until the first optimizer
+                   step); its finding is printed with the report
   --compare [RATE] compare guarded calls with their plain-PyTorch references (forward and
                    backward, msprobe's thresholds; opcontracts.compare); RATE is the fraction
                    of calls compared (seeded; default 1)
@@ -578,9 +579,12 @@ class _Watchers:
         if self.opts.nan_check:
             from ..nan import NanSentinel
 
-            # always-on: one host read per step (at optimizer.step() and at the end), no
-            # tensor of the job kept; the run's report names the culprit
-            self.sentinel = NanSentinel(always_on=True, on_nan="record").enable()
+            # always-on: each optimizer.step() checked (one fused reduction, one host read),
+            # a non-finite one skipped and the watch armed from the next step (the step's
+            # function is not known here: no replay); the watch is on until the first
+            # optimizer.step() (a first-step NaN, a script without an optimizer)
+            self.sentinel = NanSentinel(always_on=True, on_nan="record",
+                                        watch_first=True).enable()
         if self.opts.compare is not None:
             from ..compare import ShadowCompare
 

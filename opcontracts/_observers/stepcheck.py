@@ -1,0 +1,231 @@
+"""The check of a whole training step at ``optimizer.step()``: one fused reduction over the
+loss and every gradient, read once, and the step skipped when it is not finite.
+
+What the always-on NaN sentinel (``opcontracts.nan``) runs on every step.  Its cost does not
+grow with the guarded calls: nothing is hooked per call, no kernel is launched per call.  At
+every ``optimizer.step()`` of any ``torch.optim.Optimizer`` (torch's global step pre-hook):
+
+* the gradients of the optimizer's parameters (and the loss, when the user handed it over
+  with ``loss()``) go through ``torch._foreach_norm`` (one multi-tensor kernel per device on
+  an accelerator, the reduction ``clip_grad_norm_`` runs; torch_npu has it: op-plugin's
+  ``_foreach_norm.Scalar``): a NaN or an infinity anywhere makes that tensor's norm
+  non-finite; the norms are stacked and read back in ONE host read (``tolist``);
+* in a distributed job (a process group of more than one rank) the step is judged the same on
+  every rank: the count of non-finite norms is summed over the ranks first (one
+  ``all_reduce`` of one number, before the read), so that every rank skips, and replays, the
+  same steps;
+* a step found non-finite is skipped as AMP's ``GradScaler`` skips it: the gradients are set
+  aside for the optimizer's step (``p.grad = None``: every torch optimizer leaves such a
+  parameter and its state alone) and put back by the step post-hook, so the parameters are
+  still those the bad step started from, and the gradients are what the step made.
+
+A 2-norm can overflow on huge finite values (its squares exceed the dtype's range): a
+tensor whose norm is not finite is confirmed exactly (``isfinite(t).all()``) before the step is
+called bad, which costs reads on that step only.
+
+Gradients that are a ``DTensor`` (FSDP2) are checked through their local shard; sparse ones
+are not checked.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["StepCheck", "StepVerdict", "screen"]
+
+_strided = torch.strided
+
+
+@dataclass
+class StepVerdict:
+    """What the check found at one ``optimizer.step()``."""
+
+    step: int                                   # 1-based, the check's own count
+    finite: bool
+    checked: int                                # tensors checked (gradients, and the loss)
+    nonfinite: list[str] = field(default_factory=list)  # which ones (a few named)
+    nonfinite_count: int = 0
+    ranks_bad: int = 0                          # ranks whose step was non-finite (0 alone)
+    optimizer: Any = None                       # the optimizer stepped (a weak reference)
+
+
+def _world() -> int:
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return 1
+    return int(dist.get_world_size())
+
+
+def screen(tensors: list[torch.Tensor], sync: bool = False) -> tuple[list[float], int]:
+    """The 2-norm of each tensor (non-finite exactly when the tensor holds a NaN or an
+    infinity, or its squares overflow) and, with ``sync``, how many ranks have a non-finite
+    one, in ONE host read per device (one in the usual case: everything on one device)."""
+    if not tensors:
+        return [], 0
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_device.setdefault(t.device, []).append(t)
+    if len(by_device) == 1:
+        norms = torch.stack(torch._foreach_norm(tensors, 2))
+    else:  # several devices: each device's norms, brought to the first one's
+        first = next(iter(by_device))
+        norms = torch.cat([torch.stack(torch._foreach_norm(ts, 2)).to(first)
+                           for ts in by_device.values()])
+    if not sync:
+        return norms.tolist(), 0  # the one read
+    import torch.distributed as dist
+
+    bad = (~torch.isfinite(norms)).any().to(torch.float32).reshape(1)
+    dist.all_reduce(bad)  # every rank judges the step alike
+    numbers = torch.cat([norms.to(torch.float32), bad]).tolist()  # the one read
+    return numbers[:-1], int(numbers[-1])
+
+
+class StepCheck:
+    """The per-step check, over torch's global optimizer step hooks while ``attached``.
+
+    ``on_step(verdict)`` is called at every step, after the check (a non-finite step is set
+    to be skipped by then);
+    ``before(optimizer)`` at every step before the check (the sentinel's armed watch reads
+    there).  ``replaying``: inside a replay, every step is skipped and not counted.
+    ``sync``: judge each step over the ranks (None: when a process group of more than one
+    rank is initialised)."""
+
+    def __init__(self, on_step: Callable[[StepVerdict], None],
+                 before: Callable[[Any], None] | None = None, sync: bool | None = None) -> None:
+        self.on_step = on_step
+        self.before = before
+        self.sync = sync
+        self.steps = 0
+        self.bad_steps: list[int] = []
+        self.replaying = False
+        self._loss: torch.Tensor | None = None
+        self._stash: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._handles: list[Any] = []
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ hooks
+    def attach(self) -> None:
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
+
+        if not self._handles:
+            self._handles = [register_optimizer_step_pre_hook(self._pre),
+                             register_optimizer_step_post_hook(self._post)]
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._handles)
+
+    def loss(self, t: torch.Tensor) -> None:
+        """Check ``t`` (the step's loss) with the gradients at the next ``optimizer.step()``."""
+        self._loss = t.detach()
+
+    # ------------------------------------------------------------------ the check
+    def _pre(self, opt: Any, _args: Any, _kwargs: Any) -> None:
+        if self.replaying:
+            self._skip(opt)
+            return
+        self.steps += 1
+        if self.before is not None:  # the owner's (an armed watch's read; it may raise)
+            self.before(opt)
+        try:
+            verdict = self.check(opt)
+        except Exception as exc:  # the check never stops the job: the step runs unchecked
+            from .._engine.callsite import warn_at_caller
+
+            warn_at_caller(f"opcontracts.nan: the check of step {self.steps} failed "
+                           f"({type(exc).__name__}: {exc}); the step runs unchecked",
+                           RuntimeWarning)
+            return
+        if not verdict.finite:
+            self.bad_steps.append(verdict.step)
+            self._skip(opt)
+        self.on_step(verdict)
+
+    def _post(self, opt: Any, _args: Any, _kwargs: Any) -> None:
+        stash = self._stash.pop(id(opt), None)
+        if stash:
+            for p, g in stash:
+                if p.grad is None:
+                    p.grad = g
+
+    def _skip(self, opt: Any) -> None:
+        stash = []
+        for group in opt.param_groups:
+            for p in group["params"]:
+                g = p.grad
+                if g is not None:
+                    stash.append((p, g))
+                    p.grad = None
+        self._stash[id(opt)] = stash
+
+    def _sync(self) -> bool:
+        return _world() > 1 if self.sync is None else self.sync
+
+    def check(self, opt: Any) -> StepVerdict:
+        """Judge the gradients of ``opt``'s parameters (and the loss handed over): one host
+        read; more on a step found non-finite (which tensors).  The hot path of the
+        always-on sentinel, once a step: per parameter one attribute read and a test; the
+        DTensor test only when torch.distributed.tensor is loaded; names made only on a bad
+        step."""
+        tensors = [g for group in opt.param_groups for p in group["params"]
+                   if (g := p.grad) is not None and g.layout is _strided]
+        dt = sys.modules.get("torch.distributed.tensor")
+        if dt is not None:
+            tensors = [g.to_local() if isinstance(g, dt.DTensor) else g for g in tensors]
+        loss, self._loss = self._loss, None
+        if loss is not None:
+            tensors.append(loss)
+        norms, ranks_bad = screen(tensors, self._sync())
+        v = StepVerdict(self.steps, True, len(tensors), ranks_bad=ranks_bad, optimizer=opt)
+        if math.isfinite(sum(norms)) and not ranks_bad:
+            return v
+        bad = [i for i, n in enumerate(norms) if not math.isfinite(n)]
+        if bad:  # a 2-norm overflows on huge finite values: confirmed exactly (one more read)
+            ok = torch.stack([torch.isfinite(tensors[i]).all().to(tensors[bad[0]].device)
+                              for i in bad]).tolist()
+            bad = [i for i, fine in zip(bad, ok) if not fine]
+        v.nonfinite_count = len(bad)
+        v.nonfinite = [_name(self._what(opt, tensors[i], loss), tensors[i]) for i in bad[:8]]
+        v.finite = not bad and not ranks_bad
+        return v
+
+    @staticmethod
+    def _what(opt: Any, t: torch.Tensor, loss: torch.Tensor | None) -> Any:
+        """(parameter names of its group or None, index in the group) of the gradient ``t``,
+        or "loss"."""
+        if t is loss:
+            return "loss"
+        for group in opt.param_groups:
+            for i, p in enumerate(group["params"]):
+                g = p.grad
+                if g is t or (g is not None and hasattr(g, "to_local")
+                              and g.to_local() is t):
+                    return group.get("param_names"), i, p
+        return None, -1, None
+
+
+def _name(what: Any, t: torch.Tensor) -> str:
+    shape = "x".join(map(str, t.shape)) or "scalar"
+    dtype = str(t.dtype).removeprefix("torch.")
+    if what == "loss":
+        return f"the loss ({dtype})"
+    pnames, i, _p = what
+    if pnames is not None and 0 <= i < len(pnames):
+        return f"gradient of {pnames[i]} ({dtype}, {shape})"
+    return f"gradient of parameter #{i} ({dtype}, {shape})"
