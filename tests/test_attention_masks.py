@@ -35,3 +35,30 @@ def test_a_broadcastable_mask_is_rejected_in_every_layout(layout: str) -> None:
 @pytest.mark.parametrize("mask", [(B, 1, S, S), (1, 1, S, S), (B, N, S, S), (S, S)])
 def test_the_documented_mask_shapes_pass_in_every_layout(layout: str, mask: tuple[int, ...]) -> None:
     _call(layout, mask)
+
+
+_FIA_QUERY = {"BNSD": (B, N, S, D), "BSND": (B, S, N, D), "BSH": (B, S, N * D)}
+
+
+def _fia(layout: str, pse_shape: tuple[int, ...]) -> None:
+    q = torch.randn(*_FIA_QUERY[layout], dtype=torch.bfloat16)
+    pse = torch.randn(*pse_shape, dtype=torch.bfloat16)
+    prev = opcontracts.set_versions(torch_npu="2.9.0.post2", cann="9.0.0", soc="Ascend910B3")
+    try:
+        opcontracts.check("npu_fused_infer_attention_score", q, q, q, pse_shift=pse,
+                          num_heads=N, input_layout=layout, scale=0.25)
+    finally:
+        opcontracts.set_versions(**prev)
+
+
+@pytest.mark.parametrize("layout", sorted(_FIA_QUERY))
+def test_a_broadcastable_pse_shift_is_rejected_in_every_layout(layout: str) -> None:
+    # npu_fused_infer_attention_score's pse_shift is (B|1, N, Q_S, KV_S): (1, 1, 1, KV_S) is not
+    with pytest.raises(ContractViolation, match="pse_shift"):
+        _fia(layout, (1, 1, 1, S))
+
+
+@pytest.mark.parametrize("layout", sorted(_FIA_QUERY))
+@pytest.mark.parametrize("pse", [(B, N, S, S), (1, N, S, S)])
+def test_the_documented_pse_shift_shapes_pass(layout: str, pse: tuple[int, ...]) -> None:
+    _fia(layout, pse)
