@@ -1,0 +1,348 @@
+"""Which argument a broken shape relation blames.
+
+A relation such as ``N*K`` on ``sorted_indices`` and ``N K`` on ``probs`` holds between
+arguments; the checker finds it broken at one of them.  Arguments another op produced
+(``produced_by`` in the contract: permute's ``sorted_indices``) are the side the caller did not
+build, so they bind the shape names first (the compiler orders them first) and this module,
+run only on the careful checker's failure, decides what the violation says:
+
+* the produced side against an argument the caller made: the caller's argument is blamed, with
+  the shape the produced ones imply (``probs`` (16, 128) for ``N*K`` = 32 of permute's outputs:
+  (16, 2));
+* the caller's argument against a produced one: it stays blamed, and the message says where
+  the sizes come from;
+* both produced, or neither: the message names both, and the fix does not tell the user to
+  change one of them alone.
+
+Nothing here runs for a call that conforms.  Any internal failure leaves the violation as the
+checker made it (a message must never fail on its explanation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .._lang.shapes import Dim, ShapeSpec, eval_dim, parse_shape
+
+if TYPE_CHECKING:
+    from ..spec import Arg
+    from .compile import RawViolation, Rule
+
+__all__ = ["Plan", "BlameText", "attribute", "trusted_first"]
+
+
+@dataclass(frozen=True)
+class BlameText:
+    """What a violation says instead of its rule's generic expectation and hint."""
+
+    expected: str
+    fix: str
+
+
+def trusted_first(args: Mapping[str, Arg]) -> list[tuple[str, Arg]]:
+    """The order the checkers visit arguments in: those another op produced first (their sizes
+    bind the shape names), then the rest, each group in the contract's order."""
+    items = list(args.items())
+    return [kv for kv in items if kv[1].produced_by] + [kv for kv in items if not kv[1].produced_by]
+
+
+@dataclass
+class Plan:
+    """What the compiler knows that an explanation needs: the arguments in the checkers' order
+    and each one's shape rule by alternative (filled as the careful checker is generated)."""
+
+    op: str
+    order: list[tuple[str, Arg]]
+    shape_rules: dict[tuple[str, str], Rule] = field(default_factory=dict)
+    _shapes: dict[str, tuple[ShapeSpec, ...]] = field(default_factory=dict)
+
+    def shapes(self, name: str, spec: Arg) -> tuple[ShapeSpec, ...]:
+        got = self._shapes.get(name)
+        if got is None:
+            got = self._shapes[name] = tuple(parse_shape(s) for s in spec.shape or ())
+        return got
+
+    def spec(self, name: str) -> Arg | None:
+        return next((a for n, a in self.order if n == name), None)
+
+
+# --------------------------------------------------------------------------- reading a call
+def _fmt(t: torch.Tensor) -> str:
+    return "(" + ", ".join(str(int(s)) for s in t.shape) + ("," if t.dim() == 1 else "") + ")"
+
+
+def _dims(sh: ShapeSpec, t: torch.Tensor) -> list[tuple[Dim, int]] | None:
+    """Each dimension of ``sh`` with the size ``t`` has there (None: the ranks differ)."""
+    dims = [d for d in sh.dims if d.kind != "ellipsis"]
+    n = t.dim()
+    if (n < len(dims)) if sh.has_ellipsis else (n != len(dims)):
+        return None
+    sizes = list(t.shape)[n - len(dims):]
+    return [(d, int(s)) for d, s in zip(dims, sizes)]
+
+
+def _alternative(shapes: tuple[ShapeSpec, ...], t: torch.Tensor) -> ShapeSpec | None:
+    return next((sh for sh in shapes if _dims(sh, t) is not None), None)
+
+
+def _key(d: Dim) -> str:
+    return d.text.replace(" ", "")
+
+
+@dataclass
+class _Reading:
+    """The call as the checkers read it: the first argument to give each name its size, and
+    every argument's size for each expression of names (``N*K``), in the checkers' order."""
+
+    names: dict[str, tuple[str, int]] = field(default_factory=dict)
+    exprs: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
+    dims: dict[str, list[tuple[Dim, int]]] = field(default_factory=dict)
+    shape: dict[str, ShapeSpec] = field(default_factory=dict)
+
+    def bindings(self) -> dict[str, int]:
+        return {n: s for n, (_, s) in self.names.items()}
+
+
+def _read(plan: Plan, args: Mapping[str, Any], only_trusted: bool = False,
+          own: tuple[str, ShapeSpec] | None = None) -> _Reading:
+    r = _Reading()
+    for name, spec in plan.order:
+        if only_trusted and not spec.produced_by:
+            continue
+        t = args.get(name)
+        if not isinstance(t, torch.Tensor) or spec.tensor_list:
+            continue
+        sh = own[1] if own is not None and own[0] == name else _alternative(plan.shapes(name, spec), t)
+        dims = _dims(sh, t) if sh is not None else None
+        if sh is None or dims is None:
+            continue
+        r.dims[name], r.shape[name] = dims, sh
+        for d, s in dims:
+            if d.kind == "name":
+                r.names.setdefault(d.names[0], (name, s))
+            elif d.kind == "expr":
+                if d.solve is not None and d.solve[0] not in r.names:
+                    x, k = d.solve
+                    if s % k == 0:
+                        r.names[x] = (name, s // k)
+                        continue
+                r.exprs.setdefault(_key(d), []).append((name, s))
+    return r
+
+
+@dataclass
+class _Conflict:
+    dim: Dim
+    mine: list[str]     # the failing argument and those agreeing with it
+    theirs: list[str]   # the arguments whose sizes it disagrees with
+    size: int           # the failing argument's size there
+    other: int | None   # what the other side makes of that dimension
+
+
+def _conflict(r: _Reading, arg: str) -> _Conflict | None:
+    """The first dimension of ``arg`` that disagrees with another argument; None when the first
+    dimension that fails is no relation (a fixed size) or nothing disagrees."""
+    b = r.bindings()
+    for d, s in r.dims.get(arg, ()):
+        if d.kind == "int":
+            if s != d.value:
+                return None
+        elif d.kind == "name":
+            who, size = r.names[d.names[0]]
+            if who != arg and size != s:
+                same = [a for a, dims in r.dims.items() if a != arg and a != who
+                        and any(e.kind == "name" and e.names == d.names and z == s for e, z in dims)]
+                return _Conflict(d, [arg, *same], [who], s, size)
+        elif d.kind == "expr":
+            occ = r.exprs.get(_key(d), [])
+            mine = [a for a, z in occ if z == s]
+            first = occ[0] if occ else None
+            if first is not None and first[0] != arg and first[1] != s:
+                theirs = [a for a, z in occ if z == first[1]]
+                return _Conflict(d, mine, theirs, s, first[1])
+            value = eval_dim(d, b)
+            if value is not None and value != s:
+                theirs = list(dict.fromkeys(r.names[n][0] for n in d.names))
+                theirs = [a for a in theirs if a not in mine]
+                if theirs:
+                    return _Conflict(d, mine, theirs, s, value)
+    return None
+
+
+# --------------------------------------------------------------------------- what to say
+def _producers(plan: Plan, names: list[str]) -> str:
+    ops: list[str] = []
+    for n in names:
+        spec = plan.spec(n)
+        for op in (spec.produced_by or ()) if spec is not None else ():
+            if op not in ops:
+                ops.append(op)
+    return " or ".join(ops)
+
+
+def _trusted(plan: Plan, names: list[str]) -> bool:
+    return any((s := plan.spec(n)) is not None and bool(s.produced_by) for n in names)
+
+
+def _both(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def _with_shapes(names: list[str], args: Mapping[str, Any]) -> str:
+    return _both([f"{n} {_fmt(args[n])}" for n in names])
+
+
+def _concrete(sh: ShapeSpec, b: Mapping[str, int]) -> str:
+    out = []
+    for d in sh.dims:
+        v = eval_dim(d, dict(b)) if d.kind in ("name", "expr", "int") else None
+        out.append(str(v) if v is not None else d.text)
+    return "(" + ", ".join(out) + ("," if len(out) == 1 else "") + ")"
+
+
+def _context(rule: Rule) -> str:
+    """A case's condition the rule's expectation ends with (`` (when x is None)``), or ""."""
+    i = rule.expected.find(" (when ")
+    return rule.expected[i:] if i >= 0 else ""
+
+
+def _solve(d: Dim, b: dict[str, int], target: int, free: list[str]) -> bool:
+    """Give one of ``free`` (tried last first) the size that makes ``d`` equal ``target``
+    (the others keep theirs); True when one fits."""
+    for n in reversed(free):
+        def at(v: int, n: str = n) -> int | None:
+            return eval_dim(d, {**b, n: v})
+        f1, f2 = at(1), at(2)
+        if f1 is None or f2 is None or f2 == f1:
+            continue
+        step = f2 - f1
+        if (target - f1) % step:
+            continue
+        v = (target - f1) // step + 1
+        if v >= 1 and at(v) == target:
+            b[n] = v
+            return True
+    return False
+
+
+def _implied(plan: Plan, args: Mapping[str, Any], blamed: str, c: _Conflict
+             ) -> tuple[ShapeSpec, dict[str, int], bool] | None:
+    """The shape the produced arguments imply for ``blamed``: their sizes for the names they
+    give, the blamed argument's own for the others, then each relation they fix solved for one
+    of the blamed argument's own names (its last dimension's first: a dense (T, E) where (T, K)
+    belongs keeps T).  The bool says whether every relation could be met."""
+    spec = plan.spec(blamed)
+    t = args.get(blamed)
+    if spec is None or not isinstance(t, torch.Tensor):
+        return None
+    sh = _alternative(plan.shapes(blamed, spec), t)
+    dims = _dims(sh, t) if sh is not None else None
+    if sh is None or dims is None:
+        return None
+    trusted = _read(plan, args, only_trusted=True)
+    b = trusted.bindings()
+    own: list[str] = []
+    for d, s in dims:
+        if d.kind == "name" and d.names[0] not in b:
+            b[d.names[0]] = s
+            own.append(d.names[0])
+        elif d.kind == "expr" and d.solve is not None and d.solve[0] not in b and s % d.solve[1] == 0:
+            b[d.solve[0]] = s // d.solve[1]
+            own.append(d.solve[0])
+    ok = True
+    for key, occ in trusted.exprs.items():
+        d = next(e for e, _ in trusted.dims[occ[0][0]] if e.kind == "expr" and _key(e) == key)
+        value = eval_dim(d, b)
+        if value is None or value == occ[0][1]:
+            continue
+        free = [n for n in own if n in d.names]
+        ok = _solve(d, b, occ[0][1], free) and ok
+    return sh, b, ok
+
+
+def attribute(plan: Plan, raw: RawViolation, args: Mapping[str, Any]) -> RawViolation:
+    """The violation a broken shape relation should report (see the module's docstring)."""
+    try:
+        return _attribute(plan, raw, args)
+    except Exception:  # noqa: BLE001 - never fail on an explanation: the checker's verdict stands
+        return raw
+
+
+def _attribute(plan: Plan, raw: RawViolation, args: Mapping[str, Any]) -> RawViolation:
+    rule = raw.rule
+    if rule.kind != "shape" or raw.index is not None or rule.arg is None \
+            or not isinstance(rule.detail, list) or len(rule.detail) != 1:
+        return raw
+    arg, own = rule.arg, rule.detail[0]
+    t = args.get(arg)
+    if not isinstance(t, torch.Tensor):
+        return raw
+    if raw.value is None:  # an end-of-call check of an optional argument: show the tensor
+        raw = replace(raw, value=t)
+    r = _read(plan, args, own=(arg, own))
+    c = _conflict(r, arg)
+    if c is None:
+        return raw
+    mine_trusted, theirs_trusted = _trusted(plan, c.mine), _trusted(plan, c.theirs)
+    ctx = _context(rule)
+    if mine_trusted and not theirs_trusted and len(c.theirs) == 1:
+        return _blame_other(plan, raw, args, c, ctx)
+    if theirs_trusted and not mine_trusted:
+        b = r.bindings()
+        concrete = _concrete(own, b)
+        why = (f"{c.dim.text} = {c.other} comes from {_with_shapes(c.theirs, args)} (outputs of "
+               f"{_producers(plan, c.theirs)})")
+        return replace(raw, bindings=b, blame=BlameText(
+            expected=f"shape ({own.text}) = {concrete}{ctx}: {why}",
+            fix=f"pass {arg} with shape {concrete} ({own.text}: {why})"))
+    # both sides produced by ops, or neither: the contract cannot tell which one is wrong
+    concrete = _concrete(own, r.bindings())
+    shown = f" = {concrete}" if concrete != f"({own.text.replace(' ', ', ')})" else ""
+    if theirs_trusted and mine_trusted:
+        why = (f"both sides come from {_producers(plan, c.mine + c.theirs)}: pass the outputs "
+               "of one call (neither side is right on its own)")
+    else:
+        why = "the contract cannot tell which side is wrong: correct that one so they agree"
+    return replace(raw, blame=BlameText(
+        expected=f"shape ({own.text}){shown}{ctx} to agree with {_with_shapes(c.theirs, args)} "
+                 f"on {c.dim.text}",
+        fix=f"{_gives(c.mine, args)} {c.dim.text} = {c.size}, {_gives(c.theirs, args)} "
+            f"{c.other if c.other is not None else 'another size'}; {why}"))
+
+
+def _gives(names: list[str], args: Mapping[str, Any]) -> str:
+    return _with_shapes(names, args) + (" gives" if len(names) == 1 else " give")
+
+
+def _blame_other(plan: Plan, raw: RawViolation, args: Mapping[str, Any], c: _Conflict,
+                 ctx: str) -> RawViolation:
+    """The produced side is right: the violation becomes the caller's argument's."""
+    blamed = c.theirs[0]
+    got = _implied(plan, args, blamed, c)
+    spec = plan.spec(blamed)
+    t = args[blamed]
+    if got is None or spec is None:
+        return raw
+    sh, b, ok = got
+    rule = plan.shape_rules.get((blamed, sh.text))
+    if rule is None:
+        return raw
+    made = f"outputs of {_producers(plan, c.mine)}"
+    fixed = f"{c.dim.text} = {c.size}"
+    src = f"{_with_shapes(c.mine, args)} ({made})"
+    own = f"; {blamed} {_fmt(t)} makes it {c.other}" if c.other is not None else ""
+    if ok:
+        concrete = _concrete(sh, b)
+        expected = f"shape ({sh.text}) = {concrete}{_context(rule)}: {fixed} comes from {src}"
+        fix = f"pass {blamed} with shape {concrete}: {_both(c.mine)} ({made}) fix {fixed}{own}"
+    else:  # the bindings the produced side gives, not the blamed argument's own
+        b = _read(plan, args, only_trusted=True).bindings()
+        expected = f"shape ({sh.text}) with {fixed}{_context(rule)}: {c.dim.text} comes from {src}"
+        fix = (f"pass {blamed} with shape ({sh.text}) where {fixed}: {_both(c.mine)} ({made}) "
+               f"fix it{own}")
+    return replace(raw, rule=rule, value=t, bindings=b, index=None, note=None,
+                   blame=BlameText(expected, fix))
