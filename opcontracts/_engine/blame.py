@@ -152,6 +152,8 @@ def _conflict(r: _Reading, arg: str) -> _Conflict | None:
             if s != d.value:
                 return None
         elif d.kind == "name":
+            if d.names[0] not in r.names:  # given by an argument not read here (a list)
+                continue
             who, size = r.names[d.names[0]]
             if who != arg and size != s:
                 same = [a for a, dims in r.dims.items() if a != arg and a != who
@@ -166,7 +168,7 @@ def _conflict(r: _Reading, arg: str) -> _Conflict | None:
                 return _Conflict(d, mine, theirs, s, first[1])
             value = eval_dim(d, b)
             if value is not None and value != s:
-                theirs = list(dict.fromkeys(r.names[n][0] for n in d.names))
+                theirs = list(dict.fromkeys(r.names[n][0] for n in d.names if n in r.names))
                 theirs = [a for a in theirs if a not in mine]
                 if theirs:
                     return _Conflict(d, mine, theirs, s, value)
@@ -229,12 +231,12 @@ def _solve(d: Dim, b: dict[str, int], target: int, free: list[str]) -> bool:
     return False
 
 
-def _implied(plan: Plan, args: Mapping[str, Any], blamed: str, c: _Conflict
+def _implied(plan: Plan, args: Mapping[str, Any], blamed: str, prefer: tuple[str, ...] = ()
              ) -> tuple[ShapeSpec, dict[str, int], bool] | None:
     """The shape the produced arguments imply for ``blamed``: their sizes for the names they
     give, the blamed argument's own for the others, then each relation they fix solved for one
-    of the blamed argument's own names (its last dimension's first: a dense (T, E) where (T, K)
-    belongs keeps T).  The bool says whether every relation could be met."""
+    of the blamed argument's own names (``prefer`` first, then its last dimension's first: a
+    dense (T, E) where (T, K) belongs keeps T).  The bool says whether every relation holds."""
     spec = plan.spec(blamed)
     t = args.get(blamed)
     if spec is None or not isinstance(t, torch.Tensor):
@@ -253,15 +255,54 @@ def _implied(plan: Plan, args: Mapping[str, Any], blamed: str, c: _Conflict
         elif d.kind == "expr" and d.solve is not None and d.solve[0] not in b and s % d.solve[1] == 0:
             b[d.solve[0]] = s // d.solve[1]
             own.append(d.solve[0])
+    own = [n for n in own if n not in prefer] + [n for n in prefer if n in own]  # tried last first
     ok = True
-    for key, occ in trusted.exprs.items():
-        d = next(e for e, _ in trusted.dims[occ[0][0]] if e.kind == "expr" and _key(e) == key)
-        value = eval_dim(d, b)
-        if value is None or value == occ[0][1]:
+    for f in _fixed(plan, args):
+        value = eval_dim(f.dim, b)
+        if value is None or value == f.size:
             continue
-        free = [n for n in own if n in d.names]
-        ok = _solve(d, b, occ[0][1], free) and ok
+        ok = _solve(f.dim, b, f.size, [n for n in own if n in f.dim.names]) and ok
     return sh, b, ok
+
+
+@dataclass
+class _Fix:
+    """A relation the produced arguments fix: ``dim`` is ``size``, as ``by`` have it."""
+
+    dim: Dim
+    size: int
+    by: list[str]
+
+
+def _fixed(plan: Plan, args: Mapping[str, Any], name: str | None = None) -> list[_Fix]:
+    """The expressions of names (``N*K``) the produced arguments fix, those with ``name`` only
+    when it is given."""
+    tr = _read(plan, args, only_trusted=True)
+    out = []
+    for key, occ in tr.exprs.items():
+        d = next(e for e, _ in tr.dims[occ[0][0]] if e.kind == "expr" and _key(e) == key)
+        if name is None or name in d.names:
+            out.append(_Fix(d, occ[0][1], [a for a, z in occ if z == occ[0][1]]))
+    return out
+
+
+def _arbitrate(plan: Plan, args: Mapping[str, Any], r: _Reading, c: _Conflict
+               ) -> tuple[bool, _Fix] | None:
+    """Two arguments the caller made disagree on a name (``K``): the relations the produced
+    arguments fix (``N*K``) may say which size is right.  (True: the failing argument's,
+    False: the other side's; with the relation that says so), or None when they cannot tell."""
+    if c.dim.kind != "name" or c.other is None:
+        return None
+    n, full = c.dim.names[0], r.bindings()
+    rels = _fixed(plan, args, n)
+    if not rels:
+        return None
+
+    def holds(v: int) -> bool:
+        return all(eval_dim(f.dim, {**full, n: v}) == f.size for f in rels)
+
+    mine, theirs = holds(c.size), holds(c.other)
+    return (mine, rels[0]) if mine != theirs else None
 
 
 def attribute(plan: Plan, raw: RawViolation, args: Mapping[str, Any]) -> RawViolation:
@@ -290,7 +331,8 @@ def _attribute(plan: Plan, raw: RawViolation, args: Mapping[str, Any]) -> RawVio
     mine_trusted, theirs_trusted = _trusted(plan, c.mine), _trusted(plan, c.theirs)
     ctx = _context(rule)
     if mine_trusted and not theirs_trusted and len(c.theirs) == 1:
-        return _blame_other(plan, raw, args, c, ctx)
+        by = [a for a in c.mine if _trusted(plan, [a])]
+        return _blame(plan, raw, args, c.theirs[0], _Fix(c.dim, c.size, by), c.other) or raw
     if theirs_trusted and not mine_trusted:
         b = r.bindings()
         concrete = _concrete(own, b)
@@ -298,7 +340,22 @@ def _attribute(plan: Plan, raw: RawViolation, args: Mapping[str, Any]) -> RawVio
                f"{_producers(plan, c.theirs)})")
         return replace(raw, bindings=b, blame=BlameText(
             expected=f"shape ({own.text}) = {concrete}{ctx}: {why}",
-            fix=f"pass {arg} with shape {concrete} ({own.text}: {why})"))
+            fix=f"pass {arg} with shape {concrete}: {why}"))
+    if not mine_trusted and not theirs_trusted:
+        verdict = _arbitrate(plan, args, r, c)
+        if verdict is not None:
+            mine_right, rel = verdict
+            right, wrong = (c.mine, c.theirs) if mine_right else (c.theirs, c.mine)
+            wrong_size = c.other if mine_right else c.size
+            if (len(wrong) == 1 or not mine_right) and wrong_size is not None:
+                blamed = arg if not mine_right else wrong[0]
+                full = {**r.bindings(), c.dim.names[0]: wrong_size}
+                agree = f", and {_with_shapes(right, args)} " + ("agrees" if len(right) == 1
+                                                                  else "agree")
+                got = _blame(plan, raw, args, blamed, rel, eval_dim(rel.dim, full), agree,
+                             prefer=c.dim.names)
+                if got is not None:
+                    return got
     # both sides produced by ops, or neither: the contract cannot tell which one is wrong
     concrete = _concrete(own, r.bindings())
     shown = f" = {concrete}" if concrete != f"({own.text.replace(' ', ', ')})" else ""
@@ -318,31 +375,30 @@ def _gives(names: list[str], args: Mapping[str, Any]) -> str:
     return _with_shapes(names, args) + (" gives" if len(names) == 1 else " give")
 
 
-def _blame_other(plan: Plan, raw: RawViolation, args: Mapping[str, Any], c: _Conflict,
-                 ctx: str) -> RawViolation:
-    """The produced side is right: the violation becomes the caller's argument's."""
-    blamed = c.theirs[0]
-    got = _implied(plan, args, blamed, c)
-    spec = plan.spec(blamed)
+def _blame(plan: Plan, raw: RawViolation, args: Mapping[str, Any], blamed: str, fixed: _Fix,
+           own: int | None, also: str = "", prefer: tuple[str, ...] = ()) -> RawViolation | None:
+    """The violation as ``blamed``'s, which breaks ``fixed`` (a relation the produced arguments
+    fix; ``own``: what ``blamed`` makes of it); None when it has no shape rule to report."""
+    got = _implied(plan, args, blamed, prefer)
     t = args[blamed]
-    if got is None or spec is None:
-        return raw
+    if got is None:
+        return None
     sh, b, ok = got
     rule = plan.shape_rules.get((blamed, sh.text))
     if rule is None:
-        return raw
-    made = f"outputs of {_producers(plan, c.mine)}"
-    fixed = f"{c.dim.text} = {c.size}"
-    src = f"{_with_shapes(c.mine, args)} ({made})"
-    own = f"; {blamed} {_fmt(t)} makes it {c.other}" if c.other is not None else ""
+        return None
+    made = f"outputs of {_producers(plan, fixed.by)}"
+    rel = f"{fixed.dim.text} = {fixed.size}"
+    src = f"{_with_shapes(fixed.by, args)} ({made}){also}"
+    mine = f"; {blamed} {_fmt(t)} makes it {own}" if own is not None else ""
     if ok:
         concrete = _concrete(sh, b)
-        expected = f"shape ({sh.text}) = {concrete}{_context(rule)}: {fixed} comes from {src}"
-        fix = f"pass {blamed} with shape {concrete}: {_both(c.mine)} ({made}) fix {fixed}{own}"
+        expected = f"shape ({sh.text}) = {concrete}{_context(rule)}: {rel} comes from {src}"
+        fix = f"pass {blamed} with shape {concrete}: {_both(fixed.by)} ({made}) fix {rel}{mine}"
     else:  # the bindings the produced side gives, not the blamed argument's own
         b = _read(plan, args, only_trusted=True).bindings()
-        expected = f"shape ({sh.text}) with {fixed}{_context(rule)}: {c.dim.text} comes from {src}"
-        fix = (f"pass {blamed} with shape ({sh.text}) where {fixed}: {_both(c.mine)} ({made}) "
-               f"fix it{own}")
+        expected = f"shape ({sh.text}) with {rel}{_context(rule)}: {fixed.dim.text} comes from {src}"
+        fix = (f"pass {blamed} with shape ({sh.text}) where {rel}: {_both(fixed.by)} ({made}) "
+               f"fix it{mine}")
     return replace(raw, rule=rule, value=t, bindings=b, index=None, note=None,
                    blame=BlameText(expected, fix))
