@@ -45,9 +45,16 @@ class BlameText:
 
 def trusted_first(args: Mapping[str, Arg]) -> list[tuple[str, Arg]]:
     """The order the checkers visit arguments in: those another op produced first (their sizes
-    bind the shape names), then the rest, each group in the contract's order."""
+    bind the shape names), then the rest, each group in the contract's order.  A produced
+    argument whose dtype or shape is checked against one the caller made (``same_dtype_as``,
+    ``same_shape_as``) keeps its place after it: the caller's argument's own rules speak first."""
+    def ahead(a: Arg) -> bool:
+        partners = [p for p in (a.same_dtype_as, a.same_shape_as) if p is not None]
+        return bool(a.produced_by) and all(
+            p in args and bool(args[p].produced_by) for p in partners)
+
     items = list(args.items())
-    return [kv for kv in items if kv[1].produced_by] + [kv for kv in items if not kv[1].produced_by]
+    return [kv for kv in items if ahead(kv[1])] + [kv for kv in items if not ahead(kv[1])]
 
 
 @dataclass
