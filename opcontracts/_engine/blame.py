@@ -65,16 +65,49 @@ class Plan:
     op: str
     order: list[tuple[str, Arg]]
     shape_rules: dict[tuple[str, str], Rule] = field(default_factory=dict)
-    _shapes: dict[str, tuple[ShapeSpec, ...]] = field(default_factory=dict)
+    case_args: dict[int, list[tuple[str, Arg]]] = field(default_factory=dict)
+    """a case's arguments (in the checkers' order) by the id of each rule the case made: the
+    case's shapes bind names after the contract's own"""
+    _shapes: dict[tuple[str, tuple[str, ...]], tuple[ShapeSpec, ...]] = field(default_factory=dict)
+    case_from: int | None = None
+    """in a plan for a case's rule: where the case's arguments begin in ``order``"""
+
+    def for_rule(self, rule: Rule) -> Plan:
+        """The plan a violation of ``rule`` is explained with: a case's rule reads the case's
+        shapes after the contract's own."""
+        case = self.case_args.get(id(rule))
+        if case is None:
+            return self
+        return Plan(self.op, [*self.order, *case], self.shape_rules, self.case_args,
+                    self._shapes, len(self.order))
 
     def shapes(self, name: str, spec: Arg) -> tuple[ShapeSpec, ...]:
-        got = self._shapes.get(name)
+        key = (name, spec.shape or ())
+        got = self._shapes.get(key)
         if got is None:
-            got = self._shapes[name] = tuple(parse_shape(s) for s in spec.shape or ())
+            got = self._shapes[key] = tuple(parse_shape(s) for s in spec.shape or ())
         return got
 
-    def spec(self, name: str) -> Arg | None:
+    def spec(self, label: str) -> Arg | None:
+        """An argument's rules, by its name or a list element's label (``weight[0]``)."""
+        name = _split(label)[0]
         return next((a for n, a in self.order if n == name), None)
+
+
+def _split(label: str) -> tuple[str, int | None]:
+    """``weight[1]`` -> ("weight", 1); ``probs`` -> ("probs", None)."""
+    if label.endswith("]") and "[" in label:
+        name, i = label[:-1].split("[", 1)
+        return name, int(i)
+    return label, None
+
+
+def _value(args: Mapping[str, Any], label: str) -> Any:
+    name, i = _split(label)
+    v = args.get(name)
+    if i is None:
+        return v
+    return v[i] if isinstance(v, (list, tuple)) and i < len(v) else None
 
 
 # --------------------------------------------------------------------------- reading a call
@@ -116,28 +149,41 @@ class _Reading:
 
 def _read(plan: Plan, args: Mapping[str, Any], only_trusted: bool = False,
           own: tuple[str, ShapeSpec] | None = None) -> _Reading:
+    """``own``: the failing argument and the shape its rule checked (read where that rule is:
+    among the contract's arguments, or the case's when the plan is a case's)."""
     r = _Reading()
-    for name, spec in plan.order:
-        if only_trusted and not spec.produced_by:
+    for at, (name, spec) in enumerate(plan.order):
+        if only_trusted and not (plan.spec(name) or spec).produced_by:
             continue
-        t = args.get(name)
-        if not isinstance(t, torch.Tensor) or spec.tensor_list:
+        if not spec.shape:
             continue
-        sh = own[1] if own is not None and own[0] == name else _alternative(plan.shapes(name, spec), t)
-        dims = _dims(sh, t) if sh is not None else None
-        if sh is None or dims is None:
-            continue
-        r.dims[name], r.shape[name] = dims, sh
-        for d, s in dims:
-            if d.kind == "name":
-                r.names.setdefault(d.names[0], (name, s))
-            elif d.kind == "expr":
-                if d.solve is not None and d.solve[0] not in r.names:
-                    x, k = d.solve
-                    if s % k == 0:
-                        r.names[x] = (name, s // k)
-                        continue
-                r.exprs.setdefault(_key(d), []).append((name, s))
+        in_case = plan.case_from is not None and at >= plan.case_from
+        mine = own if own is not None and in_case == (plan.case_from is not None) else None
+        v = args.get(name)
+        if spec.tensor_list:  # each element, as the checkers' loop reads them
+            items = [(f"{name}[{i}]", x) for i, x in enumerate(v)] \
+                if isinstance(v, (list, tuple)) else []
+        else:
+            items = [(name, v)]
+        for label, t in items:
+            if not isinstance(t, torch.Tensor):
+                continue
+            sh = mine[1] if mine is not None and mine[0] == label \
+                else _alternative(plan.shapes(name, spec), t)
+            dims = _dims(sh, t) if sh is not None else None
+            if sh is None or dims is None:
+                continue
+            r.dims[label], r.shape[label] = dims, sh
+            for d, s in dims:
+                if d.kind == "name":
+                    r.names.setdefault(d.names[0], (label, s))
+                elif d.kind == "expr":
+                    if d.solve is not None and d.solve[0] not in r.names:
+                        x, k = d.solve
+                        if s % k == 0:
+                            r.names[x] = (label, s // k)
+                            continue
+                    r.exprs.setdefault(_key(d), []).append((label, s))
     return r
 
 
@@ -202,7 +248,7 @@ def _both(names: list[str]) -> str:
 
 
 def _with_shapes(names: list[str], args: Mapping[str, Any]) -> str:
-    return _both([f"{n} {_fmt(args[n])}" for n in names])
+    return _both([f"{n} {_fmt(_value(args, n))}" for n in names])
 
 
 def _concrete(sh: ShapeSpec, b: Mapping[str, int]) -> str:
@@ -244,11 +290,13 @@ def _implied(plan: Plan, args: Mapping[str, Any], blamed: str, prefer: tuple[str
     give, the blamed argument's own for the others, then each relation they fix solved for one
     of the blamed argument's own names (``prefer`` first, then its last dimension's first: a
     dense (T, E) where (T, K) belongs keeps T).  The bool says whether every relation holds."""
-    spec = plan.spec(blamed)
-    t = args.get(blamed)
-    if spec is None or not isinstance(t, torch.Tensor):
+    name = _split(blamed)[0]
+    t = _value(args, blamed)
+    if not isinstance(t, torch.Tensor):
         return None
-    sh = _alternative(plan.shapes(blamed, spec), t)
+    # the blamed argument's shape as the rule being explained has it: a case's first
+    specs = [a for n, a in reversed(plan.order) if n == name and a.shape]
+    sh = next((x for a in specs if (x := _alternative(plan.shapes(name, a), t)) is not None), None)
     dims = _dims(sh, t) if sh is not None else None
     if sh is None or dims is None:
         return None
@@ -322,11 +370,13 @@ def attribute(plan: Plan, raw: RawViolation, args: Mapping[str, Any]) -> RawViol
 
 def _attribute(plan: Plan, raw: RawViolation, args: Mapping[str, Any]) -> RawViolation:
     rule = raw.rule
-    if rule.kind != "shape" or raw.index is not None or rule.arg is None \
+    if rule.kind != "shape" or rule.arg is None \
             or not isinstance(rule.detail, list) or len(rule.detail) != 1:
         return raw
-    arg, own = rule.arg, rule.detail[0]
-    t = args.get(arg)
+    arg = rule.arg if raw.index is None else f"{rule.arg}[{raw.index}]"
+    own = rule.detail[0]
+    plan = plan.for_rule(rule)
+    t = _value(args, arg)
     if not isinstance(t, torch.Tensor):
         return raw
     if raw.value is None:  # an end-of-call check of an optional argument: show the tensor
@@ -387,11 +437,12 @@ def _blame(plan: Plan, raw: RawViolation, args: Mapping[str, Any], blamed: str, 
     """The violation as ``blamed``'s, which breaks ``fixed`` (a relation the produced arguments
     fix; ``own``: what ``blamed`` makes of it); None when it has no shape rule to report."""
     got = _implied(plan, args, blamed, prefer)
-    t = args[blamed]
+    t = _value(args, blamed)
     if got is None:
         return None
     sh, b, ok = got
-    rule = plan.shape_rules.get((blamed, sh.text))
+    name, index = _split(blamed)
+    rule = plan.shape_rules.get((name, sh.text))
     if rule is None:
         return None
     made = f"outputs of {_producers(plan, fixed.by)}"
@@ -407,5 +458,5 @@ def _blame(plan: Plan, raw: RawViolation, args: Mapping[str, Any], blamed: str, 
         expected = f"shape ({sh.text}) with {rel}{_context(rule)}: {fixed.dim.text} comes from {src}"
         fix = (f"pass {blamed} with shape ({sh.text}) where {rel}: {_both(fixed.by)} ({made}) "
                f"fix it{mine}")
-    return replace(raw, rule=rule, value=t, bindings=b, index=None, note=None,
+    return replace(raw, rule=rule, value=t, bindings=b, index=index, note=None,
                    blame=BlameText(expected, fix))

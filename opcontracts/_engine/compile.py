@@ -303,8 +303,8 @@ class _Gen:
         expected = expected_all or f"shape ({sh.text})"
         rid_rank = self.rule(arg, "rank", expected, spec, detail=[sh])
         rid = self.rule(arg, "shape", expected, spec, detail=[sh])
-        if not self.in_case:
-            self.plan.shape_rules.setdefault((arg, sh.text), self.rules[rid])
+        # (the contract's own arguments come first: their rule is kept for a shape a case repeats)
+        self.plan.shape_rules.setdefault((arg, sh.text), self.rules[rid])
         n = sh.fixed_rank
         if check_rank:
             if sh.has_ellipsis:
@@ -545,6 +545,7 @@ class _Gen:
             return
         self.emit(1, f"if {cond}:")
         before, mark, bound = len(self.lines), len(self.deferred), set(self.bound)
+        first_rule = len(self.rules)
         self.base, self.in_case = 2, True
         self.context, self.case_source = f" (when {case.condition_text})", case.source
         self.case_layer = case.layer
@@ -557,6 +558,9 @@ class _Gen:
             self.bound = bound
         if len(self.lines) == before:
             self.emit(2, "pass")
+        case_args = list(args.items())
+        for r in self.rules[first_rule:]:  # how a violation of the case's rules is explained
+            self.plan.case_args[id(r)] = case_args
         later = self.deferred[mark:]
         del self.deferred[mark:]
         if later:  # the case's end-of-function checks, under the same condition
