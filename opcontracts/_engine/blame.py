@@ -30,7 +30,10 @@ from .._lang.shapes import Dim, ShapeSpec, eval_dim, parse_shape
 
 if TYPE_CHECKING:
     from ..spec import Arg
-    from .compile import RawViolation, Rule
+
+# compile.RawViolation and compile.Rule: compile imports this module, not the other way round
+RawViolation = Any
+Rule = Any
 
 __all__ = ["Plan", "BlameText", "attribute", "trusted_first"]
 

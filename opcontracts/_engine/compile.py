@@ -17,6 +17,7 @@ import itertools
 import keyword
 import linecache
 import numbers
+import re
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -605,8 +606,17 @@ class _Gen:
             init.append("    " + " = ".join(self.pseudo.values()) + " = _oc_U")
         self.lines[body_start:body_start] = init
         bd = self.bdict()
+        # a name (or an expression's first size) bound on every path of the body needs no
+        # sentinel test at the end: binding the produced arguments first leaves the relation to
+        # this end-of-call check, which then costs what the direct comparison did
+        sure = [f"_oc_d_{n}" for n in self.mentioned if n in self.bound] + \
+            [local for k, local in self.pseudo.items() if k in self.bound]
+        unsure = re.compile(r"(?<!\w)(?:" + "|".join(map(re.escape, sure)) + r") is not _oc_U and ") \
+            if sure else None
         for line, ind in self.deferred:
             line = line.replace("__BINDINGS__", bd)
+            if unsure is not None:
+                line = unsure.sub("", line)
             if self.fast and "return _oc_V(" in line:
                 line = line[: line.index("return _oc_V(")] + "return False"
             self.emit(ind, line)
