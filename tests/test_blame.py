@@ -239,6 +239,16 @@ def test_shipped_producers_are_ops_with_contracts() -> None:
     assert not any(n in ("probs", "scales", "group_list") for _, n in marked)
 
 
+def test_list_shows_who_produces_an_argument(capsys: pytest.CaptureFixture[str]) -> None:
+    from opcontracts.cli import main
+
+    main(["list", "mindspeed.npu_moe_token_unpermute"])
+    out = capsys.readouterr().out
+    assert "sorted_indices   int32, (N*K), values: a permutation of [0, numel), produced by " \
+        "mindspeed.npu_moe_token_permute" in out
+    assert "probs            bf16, (N K), optional\n" in out
+
+
 # --------------------------------------------------------------------------- the hot path
 def test_order_is_decided_when_compiling() -> None:
     """The produced argument is checked first in the generated code, and the optimistic checker
