@@ -70,6 +70,8 @@ def _rules(arg: Arg) -> str:
         parts.append("values: " + describe(arg.values))
     if arg.layer is not None:
         parts.append(f"layer {arg.layer}")
+    if arg.produced_by:
+        parts.append("produced by " + " or ".join(arg.produced_by))
     return ", ".join(parts) or "-"
 
 

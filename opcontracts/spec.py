@@ -259,6 +259,11 @@ class Arg(_Frozen):
     int_list: StrictBool = False
     """a list or tuple of ints is accepted too, checked as a 1-D int64 tensor (MindSpeed's gmm
     takes ``group_list`` either way)"""
+    produced_by: tuple[str, ...] | None = None
+    """the op (or ops) whose output this argument normally is (unpermute's ``sorted_indices``:
+    ``npu_moe_token_permute``): the side of a shape relation the caller did not build.  Its
+    sizes bind the shape names first, and a relation it breaks with an argument the caller
+    made blames that argument (both or neither produced: the message names both)"""
     source: str | None = None
     layer: Layer | None = None
     """the layer whose check decides this argument's rules, when it is not the contract's
@@ -313,6 +318,18 @@ class Arg(_Frozen):
             items = _items(vals, f"dtype_if_present.{k}")
             out[str(k)] = tuple(dtype_name(parse_dtype(x)) for x in items)
         return out
+
+    @field_validator("produced_by", mode="before")
+    @classmethod
+    def _producers(cls, v: Any) -> Any:
+        if v is None:
+            return v
+        items = _items(v, "produced_by")
+        for x in items:
+            if not isinstance(x, str) or not x.strip():
+                raise ValueError("produced_by names an op (or a list of ops) such as "
+                                 f"'npu_moe_token_permute', got {_show(x)}")
+        return tuple(items)
 
     @field_validator("shape", mode="before")
     @classmethod

@@ -632,12 +632,15 @@ def test_fp32_probs_allowed_by_new_docs_rejected_by_old() -> None:
 def test_broken_n_times_k_relation() -> None:
     pt = _randn(N * K + 1, H, dtype=BF16)
     si = torch.randperm(N * K + 1).to(torch.int32)
+    # permute's two outputs agree: the caller's probs is the one that breaks N*K
     exc = _violation(UNPERMUTE_OLD, pt, si, torch.rand(N, K).to(BF16))
-    assert exc.arg == "permuted_tokens" and exc.bindings == {"N": N, "K": K, "H": H}
-    assert "N*K" in exc.expected
+    assert exc.arg == "probs" and exc.bindings == {"H": H}
+    assert f"N*K = {N * K + 1}" in exc.expected and "permuted_tokens" in exc.expected
+    # permute's outputs disagree with each other: both are named, neither is to change alone
     exc = _violation(UNPERMUTE_OLD, _randn(N * K, H, dtype=BF16),
                      torch.randperm(N * K - 1).to(torch.int32))
     assert exc.arg == "sorted_indices" and exc.rule == "shape"
+    assert exc.fix is not None and "permuted_tokens" in exc.fix and "one call" in exc.fix
 
 
 def test_index_widths() -> None:

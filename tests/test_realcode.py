@@ -57,6 +57,8 @@ class Case:
     kwargs: dict[str, Any] = field(default_factory=dict)
     missed: str | None = None
     why: str | None = None
+    blame: str | None = None
+    """a bug case: the argument the violation must name as the one to change"""
 
 
 def _fail(file: str, where: str, msg: str) -> None:
@@ -94,14 +96,14 @@ def load_corpus(folder: Path = CORPUS) -> list[Case]:
                     _fail(name, where, f"unknown stack {stack!r}")
                 stack = stacks[stack]
             extra = set(raw) - {"id", "kind", "op", "source", "stack", "expect", "config",
-                                "args", "kwargs", "missed", "why"}
+                                "args", "kwargs", "missed", "why", "blame"}
             if extra:
                 _fail(name, where, f"unknown keys {sorted(extra)}")
             cases.append(Case(
                 id=raw["id"], file=name, kind=raw["kind"], op=raw["op"], source=raw["source"],
                 stack=dict(stack), expect=raw["expect"], config=raw["config"],
                 args=tuple(raw.get("args", ())), kwargs=dict(raw.get("kwargs", {})),
-                missed=raw.get("missed"), why=raw.get("why"),
+                missed=raw.get("missed"), why=raw.get("why"), blame=raw.get("blame"),
             ))
     return cases
 
@@ -225,6 +227,9 @@ def test_bug_case(case: Case) -> None:
             pytest.fail(f"{case.id} is caught now: drop its 'missed' note ({case.missed})")
         return
     assert got == "violation", f"missed bug {case.source}: {case.why}\n(verdict {got}: {msg})"
+    if case.blame is not None:  # the message sends the user to the tensor that was wrong
+        head = msg.splitlines()[0]
+        assert f"argument '{case.blame}'" in head, f"{case.id} blames another argument:\n{msg}"
 
 
 def test_caught_share(capsys: pytest.CaptureFixture[str]) -> None:

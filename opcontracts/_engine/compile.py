@@ -17,6 +17,7 @@ import itertools
 import keyword
 import linecache
 import numbers
+import re
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from .._lang import values as _values
 from .._lang.dtypes import parse_dtype
 from .._lang.shapes import Dim, ShapeSpec, parse_shape
 from ..errors import ContractFileError
+from . import blame as _blame
 
 if TYPE_CHECKING:  # the pydantic models are imported only when a contract is loaded
     from ..spec import Arg, Contract
@@ -84,6 +86,9 @@ class RawViolation:
     bindings: dict[str, int]
     index: int | None = None  # element index for tensor lists
     note: str | None = None   # extra text from value checks
+    blame: Any = None
+    """``blame.BlameText``: what a broken shape relation says instead of the rule's generic
+    expectation and hint (which argument to change, and why)"""
 
 
 @dataclass(eq=False)  # identity semantics: torch.compile guards on it by id
@@ -157,6 +162,10 @@ class _Gen:
         self.context = ""
         self.case_source: str | None = None
         self.case_layer: str | None = None
+        # the careful checker hands a broken relation the tensor arguments (this literal, only
+        # evaluated on a failure) and the plan to explain it with (``blame``)
+        self.plan = _blame.Plan(contract.op, [])
+        self.args_lit = "None"
 
     # -- helpers -----------------------------------------------------------------------
     def const(self, value: Any) -> str:
@@ -183,6 +192,9 @@ class _Gen:
     def fail(self, rid: int, value: str, index: str = "None") -> str:
         if self.fast:
             return "return False"
+        r = self.rules[rid]
+        if r.kind == "shape" and isinstance(r.detail, list):  # a relation: who is to blame
+            return f"return _oc_V({rid}, {value}, {self.bdict()}, {index}, None, {self.args_lit})"
         return f"return _oc_V({rid}, {value}, {self.bdict()}, {index})"
 
     # -- shape -------------------------------------------------------------------------
@@ -238,7 +250,8 @@ class _Gen:
                 guard = " and ".join(f"_oc_d_{n} is not _oc_U" for n in d.names)
                 self.deferred.append(
                     (f"if {local} is not _oc_U and {guard} and {nonzero}{local} != {py}: "
-                     f"return _oc_V({rid}, {val if definite else 'None'}, __BINDINGS__, None)", 1)
+                     f"return _oc_V({rid}, {val if definite else 'None'}, __BINDINGS__, None, "
+                     f"None, {self.args_lit})", 1)
                 )
 
     def shape_checks(self, ind: int, arg: str, spec: Arg, val: str, idx: str,
@@ -291,6 +304,8 @@ class _Gen:
         expected = expected_all or f"shape ({sh.text})"
         rid_rank = self.rule(arg, "rank", expected, spec, detail=[sh])
         rid = self.rule(arg, "shape", expected, spec, detail=[sh])
+        # (the contract's own arguments come first: their rule is kept for a shape a case repeats)
+        self.plan.shape_rules.setdefault((arg, sh.text), self.rules[rid])
         n = sh.fixed_rank
         if check_rank:
             if sh.has_ellipsis:
@@ -526,11 +541,12 @@ class _Gen:
             test = f"(_oc_in({value}, {c}) if isinstance({value}, _oc_T) else {value} in {c})"
             conds.append(test if p.has_default else f"{k} is not _oc_M and {test}")
         cond = " and ".join(conds)
-        args = {n: a for n, a in case.args.items() if n in params}
+        args = {n: a for n, a in _blame.trusted_first(case.args) if n in params}
         if not args:
             return
         self.emit(1, f"if {cond}:")
         before, mark, bound = len(self.lines), len(self.deferred), set(self.bound)
+        first_rule = len(self.rules)
         self.base, self.in_case = 2, True
         self.context, self.case_source = f" (when {case.condition_text})", case.source
         self.case_layer = case.layer
@@ -543,6 +559,9 @@ class _Gen:
             self.bound = bound
         if len(self.lines) == before:
             self.emit(2, "pass")
+        case_args = list(args.items())
+        for r in self.rules[first_rule:]:  # how a violation of the case's rules is explained
+            self.plan.case_args[id(r)] = case_args
         later = self.deferred[mark:]
         del self.deferred[mark:]
         if later:  # the case's end-of-function checks, under the same condition
@@ -569,10 +588,13 @@ class _Gen:
             c = self.c = c.model_copy(
                 update={"args": {n: a for n, a in c.args.items() if n not in absent}})
         self.tensor_args = tuple(n for n, a in c.args.items() if a.is_tensor)
+        order = _blame.trusted_first(c.args)  # produced arguments bind the shape names first
+        self.plan.order = order
+        self.args_lit = "{" + ", ".join(f"{n!r}: {n}" for n in self.tensor_args) + "}"
         body_start = len(self.lines)
         if c.same_device and len(self.tensor_args) > 1:
             self.emit(1, "_oc_dev = _oc_U")
-        for name, spec in c.args.items():
+        for name, spec in order:
             self.arg_code(name, spec)
         for case in c.cases:
             self.case_code(case)
@@ -584,8 +606,17 @@ class _Gen:
             init.append("    " + " = ".join(self.pseudo.values()) + " = _oc_U")
         self.lines[body_start:body_start] = init
         bd = self.bdict()
+        # a name (or an expression's first size) bound on every path of the body needs no
+        # sentinel test at the end: binding the produced arguments first leaves the relation to
+        # this end-of-call check, which then costs what the direct comparison did
+        sure = [f"_oc_d_{n}" for n in self.mentioned if n in self.bound] + \
+            [local for k, local in self.pseudo.items() if k in self.bound]
+        unsure = re.compile(r"(?<!\w)(?:" + "|".join(map(re.escape, sure)) + r") is not _oc_U and ") \
+            if sure else None
         for line, ind in self.deferred:
             line = line.replace("__BINDINGS__", bd)
+            if unsure is not None:
+                line = unsure.sub("", line)
             if self.fast and "return _oc_V(" in line:
                 line = line[: line.index("return _oc_V(")] + "return False"
             self.emit(ind, line)
@@ -604,12 +635,14 @@ class _Gen:
         src = f"def {fname}({sig}):\n" + "\n".join(self.lines) + "\n"
         filename = f"<opcontracts check {c.op} #{next(_counter)}>"
         rules = self.rules
+        plan = self.plan
 
         def _oc_V(rid: int, value: Any, bindings: dict[str, Any], index: Any = None,
-               note: str | None = None) -> RawViolation:
-            return RawViolation(rules[rid], value,
-                                {k: v for k, v in bindings.items() if v is not _UNBOUND},
-                                index, note)
+               note: str | None = None, args: dict[str, Any] | None = None) -> RawViolation:
+            raw = RawViolation(rules[rid], value,
+                               {k: v for k, v in bindings.items() if v is not _UNBOUND},
+                               index, note)
+            return raw if args is None else _blame.attribute(plan, raw, args)
 
         def _oc_vc(rid: int, t: torch.Tensor, bindings: dict[str, Any],
                    partner: Any = None) -> str | None:

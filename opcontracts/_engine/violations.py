@@ -228,11 +228,14 @@ def violation_from_raw(raw: RawViolation, site: CallSite | None, partner_value: 
                        reading: str | None = None) -> ContractViolation:
     rule = raw.rule
     arg = rule.arg if raw.index is None else f"{rule.arg}[{raw.index}]"
+    blame = raw.blame  # a broken relation: which argument to change, said by blame.attribute
     return ContractViolation(
-        op=rule.op, arg=arg, rule=rule.kind, expected=_expected(raw, partner_value),
+        op=rule.op, arg=arg, rule=rule.kind,
+        expected=blame.expected if blame is not None else _expected(raw, partner_value),
         actual=_actual(raw),
         bindings=raw.bindings, call_site=str(site) if site else None, source=rule.source,
-        fix=_hint(raw, partner_value), rank=current_rank(), layer=rule.layer, reading=reading,
+        fix=blame.fix if blame is not None else _hint(raw, partner_value), rank=current_rank(),
+        layer=rule.layer, reading=reading,
     )
 
 
