@@ -100,9 +100,9 @@ class Divergence:
 
     @property
     def module_label(self) -> str:
-        if not self.module:
-            return f"{self.module_type or '?'} (the root module)"
-        return self.module + (f" ({self.module_type})" if self.module_type else "")
+        from ._observers.sections import module_label
+
+        return module_label(self.module, self.module_type)
 
     @property
     def what(self) -> str:

@@ -16,12 +16,21 @@ from typing import Any, Literal
 
 from .modpath import clean as clean_module_path
 
-__all__ = ["NanEvent", "RunStats", "merge_sections", "merge_stats", "merged_lines"]
+__all__ = ["NanEvent", "RunStats", "merge_sections", "merge_stats", "merged_lines",
+           "module_label"]
 
 Direction = Literal["forward", "backward"]  # as ``_observers.layer.Direction``
 
 
 # --------------------------------------------------------------------------- the sentinel
+def module_label(module: str | None, module_type: str | None) -> str:
+    """A finding's module as a report names it: ``layers.2.mlp (MoELayer)``, or ``MoE (the
+    root module)`` for the model itself (the sentinel's and the compare's findings alike)."""
+    if not module:
+        return f"{module_type or '?'} (the root module)"
+    return module + (f" ({module_type})" if module_type else "")
+
+
 @dataclass(frozen=True)
 class NanEvent:
     """One op that produced non-finite values from finite ones."""
@@ -43,9 +52,7 @@ class NanEvent:
     @property
     def module_label(self) -> str:
         """``layers.2.mlp (MoELayer)``, or ``MoE (the root module)``."""
-        if not self.module:
-            return f"{self.module_type or '?'} (the root module)"
-        return self.module + (f" ({self.module_type})" if self.module_type else "")
+        return module_label(self.module, self.module_type)
 
     @property
     def module_clean(self) -> str | None:

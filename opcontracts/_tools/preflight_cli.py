@@ -26,6 +26,7 @@ from typing import Any
 
 from .._jsonout import check_writable, to_stdout, write_json
 from ..errors import OpContractsError
+from .scriptargs import UsageError, Words
 
 __all__ = ["USAGE", "add_parser", "main"]
 
@@ -56,10 +57,6 @@ line fake tensors cannot run (named), or the script failed; 2 a usage error.
 """
 
 
-class UsageError(Exception):
-    pass
-
-
 @dataclass
 class Options:
     script: str | None = None
@@ -85,20 +82,9 @@ def _int(flag: str, raw: str, low: int) -> int:
 def parse(argv: Sequence[str]) -> Options:
     """Options up to the script name (or ``-m module``); the rest are the script's."""
     opts = Options()
-    words = list(argv)
-    i = 0
-
-    def value(flag: str, word: str) -> str:
-        nonlocal i
-        if word.startswith(flag + "="):
-            return word.split("=", 1)[1]
-        if i + 1 >= len(words):
-            raise UsageError(f"{flag} needs a value")
-        i += 1
-        return words[i]
-
-    while i < len(words):
-        w = words[i]
+    words = Words(argv)
+    value = words.value
+    for w in words:
         if w in ("-h", "--help"):
             opts.help = True
             return opts
@@ -110,27 +96,14 @@ def parse(argv: Sequence[str]) -> Options:
             opts.ranks = _int("--ranks", value("--ranks", w), 1)
         elif w == "--json" or w.startswith("--json="):
             raw = w.split("=", 1)[1] if "=" in w else None
-            nxt = words[i + 1] if i + 1 < len(words) else None
+            nxt = words.peek()
             # --json FILE unless the next word is the script (.py), an option, or -m
             if raw is None and nxt is not None and not nxt.endswith(".py") \
                     and (nxt == "-" or not nxt.startswith("-")):
-                i += 1
-                raw = nxt
+                raw = words.take_next()
             opts.json = raw or "-"
-        elif w == "-m" or (w.startswith("-m") and len(w) > 2 and not w.startswith("--")):
-            opts.module = w[2:] if len(w) > 2 else value("-m", w)
-            opts.args = words[i + 1:]
+        elif words.ends_here(w, opts, script_required=False):  # no script: the demo's model
             return opts
-        elif w == "--":
-            if i + 1 < len(words):
-                opts.script, opts.args = words[i + 1], words[i + 2:]
-            return opts
-        elif w.startswith("-"):
-            raise UsageError(f"unknown option {w!r} (options go before the script name)")
-        else:
-            opts.script, opts.args = w, words[i + 1:]
-            return opts
-        i += 1
     return opts
 
 

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._jsonout import check_writable
 from ..errors import OpContractsError
+from .scriptargs import UsageError, Words
 
 if TYPE_CHECKING:
     from .._observers.stats import CallStats
@@ -109,10 +110,6 @@ _MODES = ("strict", "warn", "fix", "off")
 DEVICES_ENV = "OPCONTRACTS_EMULATE_DEVICES"  # emulation._device.DEVICES_ENV (imported lazily)
 
 
-class UsageError(Exception):
-    """Bad ``opcontracts run`` arguments (exit status 2)."""
-
-
 @dataclass
 class RunOptions:
     script: str | None = None
@@ -136,20 +133,9 @@ class RunOptions:
 def parse(argv: Sequence[str]) -> RunOptions:
     """Options up to the script name (or ``-m module``); the rest are the script's."""
     opts = RunOptions()
-    words = list(argv)
-    i = 0
-
-    def value(flag: str, word: str) -> str:
-        nonlocal i
-        if word.startswith(flag + "="):
-            return word.split("=", 1)[1]
-        if i + 1 >= len(words):
-            raise UsageError(f"{flag} needs a value")
-        i += 1
-        return words[i]
-
-    while i < len(words):
-        w = words[i]
+    words = Words(argv)
+    value = words.value
+    for w in words:
         if w in ("-h", "--help"):
             opts.help = True
             return opts
@@ -163,9 +149,9 @@ def parse(argv: Sequence[str]) -> RunOptions:
         elif w == "--compare" or w.startswith("--compare="):
             opts.compare = 1.0
             raw = w.split("=", 1)[1] if "=" in w else None
-            if raw is None and i + 1 < len(words) and _is_number(words[i + 1]):
-                i += 1  # a number after --compare is its rate (1.5 is a wrong one, no script)
-                raw = words[i]
+            nxt = words.peek()
+            if raw is None and nxt is not None and _is_number(nxt):
+                raw = words.take_next()  # a number after --compare is its rate (1.5: a wrong one)
             if raw is not None:
                 if not _is_rate(raw):
                     raise UsageError(f"--compare: the rate must be a number in [0, 1], "
@@ -196,31 +182,17 @@ def parse(argv: Sequence[str]) -> RunOptions:
             opts.report = value("--report", w)
         elif w == "--json" or w.startswith("--json="):
             raw = w.split("=", 1)[1] if "=" in w else None
-            nxt = words[i + 1] if i + 1 < len(words) else None
+            nxt = words.peek()
             # --json FILE, unless the next word is the script (a .py file), an option or the
             # last word (then bare --json: stdout)
-            if raw is None and nxt is not None and i + 2 < len(words) \
+            if raw is None and nxt is not None and words.peek(2) is not None \
                     and not nxt.endswith(".py") and (nxt == "-" or not nxt.startswith("-")):
-                i += 1
-                raw = nxt
+                raw = words.take_next()
             opts.json = raw or "-"
         elif w == "--contracts" or w.startswith("--contracts="):
             opts.contracts.append(value("--contracts", w))
-        elif w == "-m" or (w.startswith("-m") and len(w) > 2 and not w.startswith("--")):
-            opts.module = w[2:] if len(w) > 2 else value("-m", w)
-            opts.args = words[i + 1:]
+        elif words.ends_here(w, opts, script_required=True):
             return opts
-        elif w == "--":
-            if i + 1 >= len(words):
-                raise UsageError("a script or -m module is required")
-            opts.script, opts.args = words[i + 1], words[i + 2:]
-            return opts
-        elif w.startswith("-"):
-            raise UsageError(f"unknown option {w!r} (options go before the script name)")
-        else:
-            opts.script, opts.args = w, words[i + 1:]
-            return opts
-        i += 1
     raise UsageError("a script or -m module is required")
 
 
