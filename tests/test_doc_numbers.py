@@ -76,7 +76,9 @@ def _pct(a: int, b: int) -> str:
 FACTS: dict[str, Callable[[], str]] = {
     "contracts": lambda: str(_shipped()[0]),
     "ops": lambda: str(len(_shipped()[1])),
-    "torch_npu_ops": lambda: str(sum(1 for o in _shipped()[1] if not o.startswith("mindspeed."))),
+    "torch_npu_ops": lambda: str(sum(1 for o in _shipped()[1] if "." not in o)),
+    "other_ops": lambda: str(sum(1 for o in _shipped()[1]
+                                 if o.startswith(("fla_npu.", "atb.")))),
     "mindspeed_ops": lambda: str(sum(1 for o in _shipped()[1] if o.startswith("mindspeed."))),
     "releases": lambda: str(len(_digest_versions())),
     "newest": lambda: _digest_versions()[-1],
@@ -115,15 +117,17 @@ N = r"\d+"
 VERSION = r"\d+\.\d+\.\d+(?:\.post\d+)?"
 SPOTS = [
     Spot("README.md", rf"Shipped contracts for (?P<ops>{N}) ops\*\*: (?P<contracts>{N}) "
-                      rf"contracts, for (?P<torch_npu_ops>{N}) torch_npu ops and "
-                      rf"(?P<mindspeed_ops>{N}) MindSpeed paths"),
+                      rf"contracts, for (?P<torch_npu_ops>{N}) torch_npu ops, "
+                      rf"(?P<mindspeed_ops>{N}) MindSpeed paths and (?P<other_ops>{N}) of "
+                      rf"fla_npu's and ATB's"),
     Spot("README.md", rf"checked against the (?P<releases>{N}) torch_npu releases on PyPI"),
     Spot("README.md", rf"judged by (?P<corpus_calls>{N}) production call sites and "
                       rf"(?P<corpus_bugs>{N}) bug reports[^:]*: 0 false alarms, "
                       rf"(?P<corpus_caught>{N}) bugs caught"),
     Spot("docs/shipped-ops.md",
          rf"(?P<ops>{N}) ops \((?P<contracts>{N}) contracts\): (?P<torch_npu_ops>{N}) torch_npu "
-         rf"ops and (?P<mindspeed_ops>{N}) MindSpeed paths"),
+         rf"ops, (?P<mindspeed_ops>{N}) MindSpeed paths and (?P<other_ops>{N}) of fla_npu's and "
+         rf"ATB's"),
     Spot("docs/shipped-ops.md",
          rf"torch_npu (?P<newest>{VERSION}) has (?P<cov_ops>{N}) public `torch\.ops\.npu` ops, "
          rf"(?P<cov_documented>{N}) of them documented; (?P<cov_guarded>{N}) have a contract "
