@@ -224,6 +224,22 @@ def test_convert_weight_to_int4pack_low_nibble_first(npu: types.ModuleType) -> N
     assert torch.equal(torch.where(nibbles >= 8, nibbles - 16, nibbles), w.to(torch.int64))
 
 
+def test_quant_matmul_a4w4_reads_eight_int4_per_int32(npu: types.ModuleType) -> None:
+    """A4W4 (the doc): x1 (m, k // 8), x2 (k, n // 8) contiguous, or (k // 8, n) transposed from
+    a contiguous (n, k // 8); the first int4 in the lowest bits."""
+    m, k, n = 3, 16, 8
+    a = torch.randint(-8, 8, (m, k), generator=_g(30), dtype=torch.int32)
+    b = torch.randint(-8, 8, (k, n), generator=_g(31), dtype=torch.int32)
+    scale = torch.tensor([0.5])
+    want = (a.double() @ b.double() * 0.5).to(torch.float16)
+    x1 = npu.npu_convert_weight_to_int4pack(a)
+    got = npu.npu_quant_matmul(x1, npu.npu_convert_weight_to_int4pack(b), scale,
+                               output_dtype=torch.float16)
+    assert got.shape == (m, n) and torch.equal(got, want)
+    x2_t = npu.npu_convert_weight_to_int4pack(b.t().contiguous()).t()  # (k // 8, n)
+    assert torch.equal(npu.npu_quant_matmul(x1, x2_t, scale, output_dtype=torch.float16), want)
+
+
 def test_format_cast_keeps_values_and_gradient(npu: types.ModuleType) -> None:
     x = torch.randn(4, 16, generator=_g(24), requires_grad=True)
     y = npu.npu_format_cast(x, 29)
