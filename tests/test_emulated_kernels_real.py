@@ -56,6 +56,30 @@ def test_init_routing_ties_follow_positions_even_against_row_idx(npu: types.Modu
     assert torch.equal(expanded_x, x.repeat_interleave(k, 0))
 
 
+def test_init_routing_v2_lists_out_of_range_pairs_as_the_kernel_sorts_them(
+        npu: types.ModuleType) -> None:
+    """row_idx_type 1 lists every pair: those of the range by expert, then the ones at or past
+    its end by expert id, then the ones below its start (op-plugin's golden)."""
+    x = torch.arange(8, dtype=torch.float32).view(4, 2)
+    expert_idx = torch.tensor([[5, 1], [2, 0], [1, 4], [3, 6]], dtype=torch.int32)
+    _, row_idx, counts, _ = npu.npu_moe_init_routing_v2(
+        x, expert_idx, active_expert_range=[1, 4], row_idx_type=1, expert_num=8,
+        expert_tokens_num_type=1, expert_tokens_num_flag=True)
+    # in range: 1 (pairs 1, 4), 2 (pair 2), 3 (pair 6); past it: 4 (5), 5 (0), 6 (7); below: 0 (3)
+    assert row_idx.tolist() == [1, 4, 2, 6, 5, 0, 7, 3]
+    assert counts.tolist() == [2, 1, 1]
+
+
+def test_init_routing_v2_dynamic_quant_of_no_tokens_is_empty(npu: types.ModuleType) -> None:
+    x = torch.zeros(0, 16, dtype=torch.bfloat16)
+    expert_idx = torch.zeros(0, 3, dtype=torch.int32)
+    expanded_x, row_idx, counts, scale = npu.npu_moe_init_routing_v2(
+        x, expert_idx, scale=torch.zeros(0), active_expert_range=[0, 8], quant_mode=1,
+        row_idx_type=1, expert_tokens_num_type=1, expert_tokens_num_flag=True)
+    assert expanded_x.numel() == row_idx.numel() == scale.numel() == 0
+    assert expanded_x.dtype == torch.int8 and not counts.any()
+
+
 # --------------------------------------------------------------------------- finalize routing
 def _finalize_expected(rows: torch.Tensor, skip1: torch.Tensor, bias: torch.Tensor,
                        scales: torch.Tensor | None, dst: torch.Tensor, experts: torch.Tensor,
