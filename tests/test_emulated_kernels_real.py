@@ -264,6 +264,31 @@ def test_quant_matmul_a4w4_reads_eight_int4_per_int32(npu: types.ModuleType) -> 
     assert torch.equal(npu.npu_quant_matmul(x1, x2_t, scale, output_dtype=torch.float16), want)
 
 
+def test_prompt_flash_attention_fp16_rounds_the_scores_to_fp16_before_the_scale(
+        npu: types.ModuleType) -> None:
+    """fp16 without pse_shift is the kernel's high-performance mode: q k^T in fp16 (as op-plugin's
+    golden: an fp16 matmul, the scale, softmax in fp32).  With a large scale the fp16 rounding of
+    the scores decides which keys win; with pse_shift (high precision) the scores stay fp32."""
+    gen = _g(40)
+    q, k, v = (torch.randn(1, 2, 64, 32, generator=gen).to(torch.float16) for _ in range(3))
+
+    def golden(round_scores: bool) -> torch.Tensor:
+        s = torch.matmul(q.float(), k.float().transpose(-1, -2))
+        if round_scores:
+            s = s.half().float()
+        return (torch.softmax(s * 128, -1) @ v.float()).half()
+
+    got = npu.npu_prompt_flash_attention(q, k, v, num_heads=2, input_layout="BNSD",
+                                         scale_value=128.0, pre_tokens=65535, next_tokens=65535)
+    assert torch.equal(got, golden(True))
+    assert not torch.equal(golden(True), golden(False))  # the case tells the two apart
+    zero = torch.zeros(1, 2, 64, 64, dtype=torch.float16)
+    precise = npu.npu_prompt_flash_attention(q, k, v, pse_shift=zero, num_heads=2,
+                                             input_layout="BNSD", scale_value=128.0,
+                                             pre_tokens=65535, next_tokens=65535)
+    assert torch.equal(precise, golden(False))
+
+
 def test_format_cast_keeps_values_and_gradient(npu: types.ModuleType) -> None:
     x = torch.randn(4, 16, generator=_g(24), requires_grad=True)
     y = npu.npu_format_cast(x, 29)
