@@ -83,6 +83,15 @@ def test_autocast_on_npu_runs_matmuls_in_the_autocast_dtype(npu: Any, dtype: tor
     assert lin(x).dtype == torch.float32                              # off outside the region
 
 
+def test_torch_npu_amp_has_its_submodules(npu: Any) -> None:
+    """torch_npu/npu/amp's autocast_mode and grad_scaler: torch's dynamo reads
+    ``torch.cuda.amp.autocast_mode.autocast``, which transfer_to_npu makes torch.npu's."""
+    amp = torch.npu.amp  # type: ignore[attr-defined]
+    assert amp.autocast_mode.autocast is amp.autocast
+    assert amp.autocast_mode.custom_fwd is amp.custom_fwd
+    assert amp.grad_scaler.GradScaler is amp.GradScaler
+
+
 def test_torch_npu_amp_as_torch_npu_provides(npu: Any) -> None:
     assert torch.npu.get_amp_supported_dtype() == [torch.float16, torch.bfloat16]
     assert torch.npu.is_bf16_supported()

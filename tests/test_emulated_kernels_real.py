@@ -56,6 +56,30 @@ def test_init_routing_ties_follow_positions_even_against_row_idx(npu: types.Modu
     assert torch.equal(expanded_x, x.repeat_interleave(k, 0))
 
 
+def test_init_routing_v2_lists_out_of_range_pairs_as_the_kernel_sorts_them(
+        npu: types.ModuleType) -> None:
+    """row_idx_type 1 lists every pair: those of the range by expert, then the ones at or past
+    its end by expert id, then the ones below its start (op-plugin's golden)."""
+    x = torch.arange(8, dtype=torch.float32).view(4, 2)
+    expert_idx = torch.tensor([[5, 1], [2, 0], [1, 4], [3, 6]], dtype=torch.int32)
+    _, row_idx, counts, _ = npu.npu_moe_init_routing_v2(
+        x, expert_idx, active_expert_range=[1, 4], row_idx_type=1, expert_num=8,
+        expert_tokens_num_type=1, expert_tokens_num_flag=True)
+    # in range: 1 (pairs 1, 4), 2 (pair 2), 3 (pair 6); past it: 4 (5), 5 (0), 6 (7); below: 0 (3)
+    assert row_idx.tolist() == [1, 4, 2, 6, 5, 0, 7, 3]
+    assert counts.tolist() == [2, 1, 1]
+
+
+def test_init_routing_v2_dynamic_quant_of_no_tokens_is_empty(npu: types.ModuleType) -> None:
+    x = torch.zeros(0, 16, dtype=torch.bfloat16)
+    expert_idx = torch.zeros(0, 3, dtype=torch.int32)
+    expanded_x, row_idx, counts, scale = npu.npu_moe_init_routing_v2(
+        x, expert_idx, scale=torch.zeros(0), active_expert_range=[0, 8], quant_mode=1,
+        row_idx_type=1, expert_tokens_num_type=1, expert_tokens_num_flag=True)
+    assert expanded_x.numel() == row_idx.numel() == scale.numel() == 0
+    assert expanded_x.dtype == torch.int8 and not counts.any()
+
+
 # --------------------------------------------------------------------------- finalize routing
 def _finalize_expected(rows: torch.Tensor, skip1: torch.Tensor, bias: torch.Tensor,
                        scales: torch.Tensor | None, dst: torch.Tensor, experts: torch.Tensor,
@@ -222,6 +246,47 @@ def test_convert_weight_to_int4pack_low_nibble_first(npu: types.ModuleType) -> N
     raw = packed.to(torch.int64) & 0xFFFFFFFF
     nibbles = torch.stack([(raw >> (4 * i)) & 0xF for i in range(8)], -1).reshape(3, 16)
     assert torch.equal(torch.where(nibbles >= 8, nibbles - 16, nibbles), w.to(torch.int64))
+
+
+def test_quant_matmul_a4w4_reads_eight_int4_per_int32(npu: types.ModuleType) -> None:
+    """A4W4 (the doc): x1 (m, k // 8), x2 (k, n // 8) contiguous, or (k // 8, n) transposed from
+    a contiguous (n, k // 8); the first int4 in the lowest bits."""
+    m, k, n = 3, 16, 8
+    a = torch.randint(-8, 8, (m, k), generator=_g(30), dtype=torch.int32)
+    b = torch.randint(-8, 8, (k, n), generator=_g(31), dtype=torch.int32)
+    scale = torch.tensor([0.5])
+    want = (a.double() @ b.double() * 0.5).to(torch.float16)
+    x1 = npu.npu_convert_weight_to_int4pack(a)
+    got = npu.npu_quant_matmul(x1, npu.npu_convert_weight_to_int4pack(b), scale,
+                               output_dtype=torch.float16)
+    assert got.shape == (m, n) and torch.equal(got, want)
+    x2_t = npu.npu_convert_weight_to_int4pack(b.t().contiguous()).t()  # (k // 8, n)
+    assert torch.equal(npu.npu_quant_matmul(x1, x2_t, scale, output_dtype=torch.float16), want)
+
+
+def test_prompt_flash_attention_fp16_rounds_the_scores_to_fp16_before_the_scale(
+        npu: types.ModuleType) -> None:
+    """fp16 without pse_shift is the kernel's high-performance mode: q k^T in fp16 (as op-plugin's
+    golden: an fp16 matmul, the scale, softmax in fp32).  With a large scale the fp16 rounding of
+    the scores decides which keys win; with pse_shift (high precision) the scores stay fp32."""
+    gen = _g(40)
+    q, k, v = (torch.randn(1, 2, 64, 32, generator=gen).to(torch.float16) for _ in range(3))
+
+    def golden(round_scores: bool) -> torch.Tensor:
+        s = torch.matmul(q.float(), k.float().transpose(-1, -2))
+        if round_scores:
+            s = s.half().float()
+        return (torch.softmax(s * 128, -1) @ v.float()).half()
+
+    got = npu.npu_prompt_flash_attention(q, k, v, num_heads=2, input_layout="BNSD",
+                                         scale_value=128.0, pre_tokens=65535, next_tokens=65535)
+    assert torch.equal(got, golden(True))
+    assert not torch.equal(golden(True), golden(False))  # the case tells the two apart
+    zero = torch.zeros(1, 2, 64, 64, dtype=torch.float16)
+    precise = npu.npu_prompt_flash_attention(q, k, v, pse_shift=zero, num_heads=2,
+                                             input_layout="BNSD", scale_value=128.0,
+                                             pre_tokens=65535, next_tokens=65535)
+    assert torch.equal(precise, golden(False))
 
 
 def test_format_cast_keeps_values_and_gradient(npu: types.ModuleType) -> None:

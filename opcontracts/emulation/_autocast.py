@@ -208,5 +208,13 @@ def amp_module(parent: str) -> types.ModuleType:
     for obj in (autocast, GradScaler, custom_fwd, custom_bwd):
         setattr(mod, obj.__name__, obj)
     mod.__all__ = ["autocast", "GradScaler", "custom_fwd", "custom_bwd"]  # type: ignore[attr-defined]
+    # torch_npu/npu/amp's submodules: torch's dynamo names ``torch.cuda.amp.autocast_mode
+    # .autocast``, which transfer_to_npu turns into this module's
+    for sub, objs in (("autocast_mode", (autocast, custom_fwd, custom_bwd)),
+                      ("grad_scaler", (GradScaler,))):
+        child = types.ModuleType(f"{mod.__name__}.{sub}")
+        for obj in objs:
+            setattr(child, obj.__name__, obj)
+        setattr(mod, sub, child)
     mod.__opcontracts_emulation__ = True  # type: ignore[attr-defined]
     return mod

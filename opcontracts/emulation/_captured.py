@@ -21,10 +21,13 @@ _OVERLOADS: dict[str, torch._ops.OpOverload] = {}
 
 
 def capture(namespace: str, names: tuple[str, ...]) -> None:
-    """Capture ``namespace::name.default`` of each of ``names`` (after their definition)."""
+    """Capture ``namespace::name.default`` of each of ``names`` (after their definition); an op
+    without a default overload (``_npu_dropout_gen_mask.Tensor``), its only one."""
     ns = getattr(torch.ops, namespace)
     for name in names:
-        _OVERLOADS[name] = getattr(ns, name).default
+        packet = getattr(ns, name)
+        overloads = packet.overloads()
+        _OVERLOADS[name] = getattr(packet, "default" if "default" in overloads else overloads[0])
 
 
 def clear() -> None:

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 from torch.library import Library
 
-from . import _autocast, _backward_engine, _cpu_gaps, _npu_api
+from . import _autocast, _backward_engine, _cpu_gaps, _npu_api, _philox
 
 __all__ = ["DEFAULT_SOC", "call_on_cpu", "drop_op_kernels", "install", "installed", "module",
            "register_op_kernels", "reported_soc", "reserve", "to_cpu_view", "to_npu", "uninstall"]
@@ -421,9 +421,11 @@ def _build_module() -> types.ModuleType:
 
     def manual_seed(seed: int) -> None:
         torch.manual_seed(seed)  # npu kernels run on the CPU generator
+        _philox.manual_seed(seed)  # the NPU generator's seed, its offset back to 0
 
-    def noop_seed_all(seed: int) -> None:
-        pass  # torch.manual_seed calls this after seeding the CPU generator, which npu ops use
+    def manual_seed_all(seed: int) -> None:
+        # torch.manual_seed calls this after seeding the CPU generator, which npu ops use
+        _philox.manual_seed(seed)
 
     def get_amp_supported_dtype() -> list[torch.dtype]:
         return [torch.float16, torch.bfloat16]
@@ -451,7 +453,7 @@ def _build_module() -> types.ModuleType:
                set_autocast_enabled):
         fn.__module__ = mod.__name__
         setattr(mod, fn.__name__, fn)
-    mod.manual_seed_all = noop_seed_all  # type: ignore[attr-defined]
+    mod.manual_seed_all = manual_seed_all  # type: ignore[attr-defined]
     mod._is_in_bad_fork = lambda: False  # type: ignore[attr-defined]
     mod._lazy_init = lambda: None  # type: ignore[attr-defined]
     mod.amp = _autocast.amp_module(mod.__name__)  # type: ignore[attr-defined]

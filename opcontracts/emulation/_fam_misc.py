@@ -10,6 +10,9 @@ updates and indices (the docs' int32 / int64: another integer is rejected by acl
 not misread, and the contract rejects it before), ``npu_layer_norm_eval``, the weight-only matmul's int8 / int32 weight) are left
 unrestricted: the emulated kernel reads each dtype as what it is.
 
+``_npu_dropout_gen_mask`` draws a dropout bit mask at ``(seed, offset)``: the kernel's layout,
+the emulation's bits (``opcontracts.reference._dropout``).
+
 ``npu_scatter_nd_update_`` writes into ``self`` and returns it, as its schema says
 (``Tensor(a!) self -> Tensor(a!)``): ``writes="self"``.
 
@@ -115,6 +118,12 @@ def _weight_quant_bmm_fake(x: torch.Tensor, weight: torch.Tensor, antiquant_scal
     return x.new_empty((x.size(0), n), dtype=dtype)
 
 
+def _gen_mask_fake(self: torch.Tensor, size: Sequence[int], p: float, seed: int, offset: int,
+                   *, parallel: bool | None = True, sync: bool | None = None) -> torch.Tensor:
+    numels = math.prod(int(s) for s in size)
+    return self.new_empty(((numels + 127) // 128 * 16,), dtype=torch.uint8)
+
+
 # --------------------------------------------------------------------------- the entries
 OPS: tuple[EmulatedOp, ...] = (
     EmulatedOp("npu_gelu", fake=_gelu_fake, dtypes={"self": FLOATS}, backward=AUTOGRAD,
@@ -141,4 +150,7 @@ OPS: tuple[EmulatedOp, ...] = (
     EmulatedOp("npu_weight_quant_batchmatmul", fake=_weight_quant_bmm_fake,
                dtypes={"x": ("fp16", "bf16"), "weight": ("int8",)},
                source=f"{_DOCS} (int8 weight)"),
+    # the only overload is ``.Tensor``; no derivative (a mask)
+    EmulatedOp("_npu_dropout_gen_mask", fake=_gen_mask_fake,
+               source="op-plugin DropoutGenMaskKernelNpuOpApi.cpp"),
 )

@@ -141,7 +141,11 @@ def _quant_matmul_fake(x1: torch.Tensor, x2: torch.Tensor, scale: torch.Tensor, 
     batch = torch.broadcast_shapes(x1.shape[:-2], x2.shape[:-2])
     dtype = {_ST_FP16: torch.float16, _ST_BF16: torch.bfloat16}.get(
         _ST_INT8 if output_dtype is None else output_dtype, torch.int8)
-    return x1.new_empty((*batch, x1.size(-2), x2.size(-1)), dtype=dtype)
+    n = x2.size(-1)
+    if x2.dtype == torch.int32 and not (x2.dim() >= 2 and x2.stride(-2) == 1
+                                        and x2.stride(-1) != 1 and x2.size(-2) > 1):
+        n *= 8  # A4W4: (k, n // 8), eight int4 per int32 along n
+    return x1.new_empty((*batch, x1.size(-2), n), dtype=dtype)
 
 
 def _dynamic_mx_quant_fake(input: torch.Tensor, *, axis: int = -1, round_mode: str = "rint",
@@ -223,9 +227,9 @@ OPS: tuple[EmulatedOp, ...] = (
                dtypes={"input": ("bf16", "fp16"), "smooth_scales": ("bf16", "fp16"),
                        "group_index": ("int32",)}, source=_DOCS),
     EmulatedOp("npu_quant_matmul", fake=_quant_matmul_fake,
-               dtypes={"x1": ("int8",), "x2": ("int8",), "offset": ("fp32",),
+               dtypes={"x1": ("int8", "int32"), "x2": ("int8", "int32"), "offset": ("fp32",),
                        "pertoken_scale": ("fp32",)},
-               source=f"{_DOCS} (int8 modes; int4 packed in int32 is not emulated)"),
+               source=f"{_DOCS} (int8 modes; A4W4: int4 packed in int32)"),
     EmulatedOp("npu_dynamic_mx_quant", fake=_dynamic_mx_quant_fake,
                dtypes={"input": FLOATS}, source=_DOCS),
     EmulatedOp("npu_dequant_swiglu_quant", fake=_dequant_swiglu_quant_fake,

@@ -89,7 +89,15 @@ def _rotary_mode(op: str) -> Callable[[Mapping[str, Any]], None]:
     return check
 
 
+def _dropout_probability(args: Mapping[str, Any]) -> None:
+    """op-plugin DropoutGenMaskKernelNpuOpApi.cpp: ``p`` in [0, 1]."""
+    p = float(args["p"])
+    if not 0 <= p <= 1:
+        raise RuntimeError(f"dropout probability has to be between 0 and 1, but got {p}")
+
+
 GLUE_CHECKS: dict[str, Callable[[Mapping[str, Any]], None]] = {
+    "_npu_dropout_gen_mask": _dropout_probability,
     "npu_grouped_matmul": lambda a: _grouped_matmul(a, tensor_group_list=True),
     "npu_grouped_matmul.List": lambda a: _grouped_matmul(a, tensor_group_list=False),
     "npu_rotary_mul": _rotary_mode("npu_rotary_mul"),

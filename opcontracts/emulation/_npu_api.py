@@ -5,10 +5,13 @@ torch_npu's ``torch_npu/npu/__init__.py`` (with ``npu_config.py``, ``random.py``
 compile mode and the CANN version; :func:`extend` puts the emulation's versions of them on the
 emulated device module (``_device``), each behaving as it can on CPU memory:
 
-* **random state**: npu ops draw from the CPU generator (``_device``), so ``get_rng_state`` /
-  ``set_rng_state`` (and their ``_all`` forms, ``seed``, ``initial_seed``,
-  ``default_generators``) are the CPU generator's: a state saved before an op and set again
-  makes the op draw the same numbers, and ``torch.random.fork_rng(device_type="npu")`` works;
+* **random state**: npu ops draw from the CPU generator (``_device``), the kernels that draw
+  their own bits (fusion attention's dropout) from the NPU generator's Philox seed and offset
+  (``_philox``), so ``get_rng_state`` is the CPU generator's state followed by the Philox
+  state's 16 bytes, and ``set_rng_state`` sets both (``seed``, ``initial_seed``,
+  ``default_generators`` are the CPU generator's): a state saved before an op and set again
+  makes the op draw the same numbers (an activation checkpoint's recompute the same dropout
+  mask), and ``torch.random.fork_rng(device_type="npu")`` works;
 * **memory statistics**: npu tensors live in host memory, which no NPU allocator caches: the
   allocator statistics (``memory_allocated``, ``memory_reserved``, their peaks,
   ``memory_stats``) are 0 and resetting them, ``empty_cache``, is a no-op; ``mem_get_info`` and
@@ -34,7 +37,7 @@ from typing import Any
 
 import torch
 
-from . import _npu_streams
+from . import _npu_streams, _philox
 
 __all__ = ["EMULATED_CANN", "cann_version", "extend", "is_gte_cann_version", "utils_names"]
 
@@ -133,18 +136,33 @@ def get_mm_bmm_format_nd() -> bool:
     return bool(_settings["mm_bmm_nd"])
 
 
-# -- random state (the CPU generator, which npu ops draw from) --------------------------------
+# -- random state (the CPU generator, which npu ops draw from, and the Philox state) ---------
 
 def get_rng_state(device: Any = "npu") -> torch.Tensor:
-    return torch.get_rng_state()
+    """The CPU generator's state followed by the NPU generator's 16 bytes (``_philox``)."""
+    philox = torch.frombuffer(bytearray(_philox.get_state()), dtype=torch.uint8)
+    return torch.cat([torch.get_rng_state(), philox])
 
 
 def set_rng_state(new_state: torch.Tensor, device: Any = "npu") -> None:
-    torch.set_rng_state(new_state.cpu() if isinstance(new_state, torch.Tensor) else new_state)
+    """A state of :func:`get_rng_state`; a CPU generator's state alone sets the CPU generator,
+    a real torch_npu state (16 or 8 bytes: seed and offset) the Philox state alone."""
+    state = new_state.cpu() if isinstance(new_state, torch.Tensor) else torch.as_tensor(new_state)
+    state = state.contiguous().view(torch.uint8).reshape(-1)
+    n = state.numel()
+    if n in (8, _philox.STATE_BYTES):
+        _philox.set_state(bytes(state.tolist()))
+        return
+    cpu_size = torch.get_rng_state().numel()
+    if n == cpu_size + _philox.STATE_BYTES:
+        torch.set_rng_state(state[:cpu_size].clone())
+        _philox.set_state(bytes(state[cpu_size:].tolist()))
+        return
+    torch.set_rng_state(state)
 
 
 def get_rng_state_all() -> list[torch.Tensor]:
-    return [torch.get_rng_state()]
+    return [get_rng_state()]
 
 
 def set_rng_state_all(new_states: Any) -> None:

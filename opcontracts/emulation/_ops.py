@@ -35,7 +35,7 @@ import torch
 from torch.library import Library
 
 from .. import reference
-from . import _captured, _fakes, _glue, _raw, _release
+from . import _captured, _fakes, _glue, _philox, _raw, _release
 from ._autograd import BackwardFn, make_autograd_kernel
 from ._backward import BACKWARDS, moe_token_backwards
 from ._family import DIGEST_RELEASE, all_ops, backward_of, digest_schema
@@ -212,6 +212,24 @@ def _glued(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     return entry
 
 
+def _drawing(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` given the NPU generator's draw where the kernel's glue takes one (``_philox``:
+    fusion attention's dropout seed and offset); the fake draws nothing."""
+    draw = _philox.DRAWS.get(name)
+    if draw is None:
+        return fn
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def entry(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        draw(bound.arguments)
+        return fn(*bound.args, **bound.kwargs)
+
+    return entry
+
+
 def _opaque(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` run as a C++ kernel runs: below autograd, so the plain-PyTorch ops inside it record
     no graph.  An op without an autograd kernel then gets torch's autograd fallback, as on the NPU
@@ -298,17 +316,19 @@ def _register_op(lib: Library, op: OpDef, backward: BackwardFn | None, internal:
                  ) -> None:
     """``internal``: the op the release's ``AutogradPrivateUse1``-only kernel of ``op`` calls."""
     view_name = op.name
-    qualified = f"{NAMESPACE}::{op.name}"
+    # the schema's name: ``op`` or ``op.overload`` for an op without a default overload
+    entry_name = op.schema.split("(", 1)[0].strip()
+    qualified = f"{NAMESPACE}::{entry_name}"
     public_only = internal is not None
     if internal is not None:  # the release's AutogradPrivateUse1-only kernel (``_nodes``)
         autograd_kernel, below = autograd_only(_captured.overload(internal))
         lib.impl(op.name, autograd_kernel, "Autograd", with_keyset=True)
         lib.impl(op.name, below, "CompositeExplicitAutograd")
     else:
-        kernel = _through(_raw.kernel_view, view_name, op.kernel)
+        kernel = _drawing(op.name, _through(_raw.kernel_view, view_name, op.kernel))
         if op.writes is not None:
             kernel = _writing_into(kernel, op.kernel, op.writes)
-        lib.impl(op.name, _opaque(_glued(op.name, kernel)), "CompositeExplicitAutograd")
+        lib.impl(entry_name, _opaque(_glued(op.name, kernel)), "CompositeExplicitAutograd")
     torch.library.register_fake(
         qualified, _glued(op.name, _through(_raw.fake_view, view_name, op.fake)), lib=lib)
     if backward is not None and not public_only:

@@ -24,9 +24,15 @@ Softmax attention in fp32 (fp64 for fp64 inputs), per the docs' formula
   head slopes), ``sink`` (one extra logit per head, unscaled, with no value), v2's
   ``query_rope`` / ``key_rope``.
 
-Not covered: dropout (``keep_prob`` < 1, ``dropout_mask``: the kernel's Philox stream cannot be
-reproduced; the reference computes without dropout), ``inner_precise``, ALiBi-compressed ``pse``
-outside TND.  ``softmax_max`` / ``softmax_sum`` are the real per-row statistics, broadcast to
+Dropout (``keep_prob`` < 1): the probabilities are multiplied by the kept bits of a mask over
+(B, N, Sq, Skv) (TND: one (N, sq, skv) block per sequence, one after the other) and divided by
+``keep_prob``, as op-plugin's tests build their golden; the statistics are those before the
+dropout.  The mask is ``dropout_mask`` when given (the kernel's bit layout,
+``_dropout``), else the one drawn at ``(seed, offset)``: the kernel's glue takes them from the
+NPU generator, the emulation does the same, and the grad kernels draw the same mask again
+from the ``seed`` / ``offset`` the forward returned.  The bits are the emulation's stream
+(``_dropout``), not the hardware's, so on an NPU the reference cannot match a dropout call.
+Not covered: ``inner_precise``, ALiBi-compressed ``pse`` outside TND.  ``softmax_max`` / ``softmax_sum`` are the real per-row statistics, broadcast to
 8 lanes: (B, N, Sq, 8), and (T, N, 8) in TND (the meta kernel's shapes); they carry no gradient
 (torch_npu's backward takes the gradient of the attention output only).  The ``_grad``
 references compute the gradients from the saved statistics and ``attention_in`` when given,
@@ -41,6 +47,7 @@ from typing import Any
 
 import torch
 
+from ._dropout import keep_mask, mask_bytes
 from ._util import acc_dtype
 
 __all__ = ["LAYOUTS", "attention_heads", "attention_layout_to_bnsd", "attention_scores",
@@ -312,6 +319,50 @@ class _Opts:
     q_start: Sequence[int] | None
     kv_start: Sequence[int] | None
     sink: torch.Tensor | None
+    keep_prob: float = 1.0
+    keep: torch.Tensor | None = None  # the kept bits, flat over every block (None: no dropout)
+
+
+_EPSILON = 1e-9  # op-plugin's get_dropout_status
+
+
+def dropout_numels(call: _Call) -> int:
+    """The mask's element count: B * N * Sq * Skv, or N * sum(sq * skv) over TND sequences."""
+    if not call.varlen:
+        blk = call.blocks[0]
+        return int(blk.q.size(0) * call.heads * blk.q.size(2) * blk.k.size(2))
+    return int(call.heads * sum(b.q.size(2) * b.k.size(2) for b in call.blocks))
+
+
+def _with_dropout(o: _Opts, call: _Call, keep_prob: float, dropout_mask: torch.Tensor | None,
+                  seed: int, offset: int) -> tuple[_Opts, int]:
+    """``o`` with the dropout's kept bits (none when ``keep_prob`` is 1), and the numels."""
+    kp = float(keep_prob)
+    if abs(kp - 1.0) < _EPSILON or not call.blocks:
+        return o, 0
+    numels = dropout_numels(call)
+    device = call.blocks[0].q.device
+    if abs(kp) < _EPSILON:  # DROPOUT_ALL: a zero mask
+        keep = torch.zeros(numels, dtype=torch.bool, device=device)
+    elif dropout_mask is not None:
+        keep = keep_mask(dropout_mask.to(device), numels)
+    else:
+        keep = keep_mask(mask_bytes(numels, 1.0 - kp, seed, offset, device), numels)
+    o.keep_prob, o.keep = kp, keep
+    return o, numels
+
+
+def _dropped(p: torch.Tensor, o: _Opts, call: _Call, blk: _Block) -> torch.Tensor | None:
+    """The block's (b, N, sq, skv) dropout factor: kept bits / keep_prob (None: no dropout)."""
+    if o.keep is None:
+        return None
+    b, n, sq, skv = p.shape
+    start = 0
+    if call.varlen:
+        start = n * sum(x.q.size(2) * x.k.size(2) for x in call.blocks if x.index < blk.index)
+    bits = o.keep[start:start + b * n * sq * skv].view(b, n, sq, skv)
+    scale = 0.0 if o.keep_prob < _EPSILON else 1.0 / o.keep_prob
+    return bits.to(p.dtype) * scale
 
 
 def _logits(call: _Call, blk: _Block, o: _Opts) -> tuple[torch.Tensor, torch.Tensor | None,
@@ -358,21 +409,25 @@ def _stats(x: torch.Tensor) -> torch.Tensor:
 def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, head_num: int,
              input_layout: str, o: _Opts, seq_q: Sequence[int] | None,
              seq_kv: Sequence[int] | None, query_rope: torch.Tensor | None = None,
-             key_rope: torch.Tensor | None = None
+             key_rope: torch.Tensor | None = None, keep_prob: float = 1.0,
+             dropout_mask: torch.Tensor | None = None, seed: int = 0, offset: int = 0
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:
     acc = acc_dtype(query)
     call = _blocks(query, key, value, head_num, input_layout, seq_q, seq_kv, acc, query_rope,
                    key_rope)
+    o, numels = _with_dropout(o, call, keep_prob, dropout_mask, seed, offset)
+    drawn = (int(seed), int(offset), numels) if numels else (0, 0, 0)
     outs, maxes, sums = [], [], []
     for blk in call.blocks:
         s, _, _ = _logits(call, blk, o)
         p, m, total = _softmax(s, o.sink)
-        outs.append(torch.matmul(p, expand_kv(blk.v, call.heads)))
+        drop = _dropped(p, o, call, blk)
+        outs.append(torch.matmul(p if drop is None else p * drop, expand_kv(blk.v, call.heads)))
         maxes.append(m.detach())  # the statistics carry no gradient (torch_npu's backward
         sums.append(total.detach())  # takes the gradient of the attention output only)
     if not call.varlen:
         out = bnsd_to_attention_layout(outs[0], call.layout).to(query.dtype).contiguous()
-        return (out, _stats(maxes[0]), _stats(sums[0]), query.new_empty((0,)), 0, 0, 0)
+        return (out, _stats(maxes[0]), _stats(sums[0]), query.new_empty((0,)), *drawn)
     n = call.heads
     out = _scatter_rows([(b.q_rows, x[0].permute(1, 0, 2)) for b, x in zip(call.blocks, outs)],
                         call.total_q, (n, value.size(-1)), acc, query.device).to(query.dtype)
@@ -380,7 +435,7 @@ def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, head_n
                          call.total_q, (n, 1), acc, query.device)
     ssum = _scatter_rows([(b.q_rows, x[0].permute(1, 0, 2)) for b, x in zip(call.blocks, sums)],
                          call.total_q, (n, 1), acc, query.device)
-    return (out.contiguous(), _stats(smax), _stats(ssum), query.new_empty((0,)), 0, 0, 0)
+    return (out.contiguous(), _stats(smax), _stats(ssum), query.new_empty((0,)), *drawn)
 
 
 def _scatter_rows(parts: list[tuple[tuple[int, int] | None, torch.Tensor]], total: int,
@@ -438,10 +493,12 @@ def npu_fusion_attention(
     offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:
     """Returns (attention_out, softmax_max, softmax_sum, softmax_in, seed, offset, numels):
-    softmax_in is empty and seed/offset/numels are 0 (no dropout); see the module docstring."""
+    softmax_in is empty; seed/offset/numels are the dropout's (0 without dropout); see the
+    module docstring."""
     o = _opts(scale, pse, 1, atten_mask, sparse_mode, pre_tockens, next_tockens, prefix, sink=sink)
     return _forward(query, key, value, head_num, input_layout, o, actual_seq_qlen,
-                    actual_seq_kvlen)
+                    actual_seq_kvlen, keep_prob=keep_prob, dropout_mask=dropout_mask,
+                    seed=seed, offset=offset)
 
 
 def npu_fusion_attention_v2(
@@ -482,7 +539,8 @@ def npu_fusion_attention_v2(
     o = _opts(scale, pse, pse_type, atten_mask, sparse_mode, pre_tokens, next_tokens, prefix,
               q_start_idx, kv_start_idx, sink)
     return _forward(query, key, value, head_num, input_layout, o, actual_seq_qlen,
-                    actual_seq_kvlen, query_rope, key_rope)
+                    actual_seq_kvlen, query_rope, key_rope, keep_prob=keep_prob,
+                    dropout_mask=dropout_mask, seed=seed, offset=offset)
 
 
 # --------------------------------------------------------------------------- backward kernels
@@ -533,12 +591,15 @@ def _backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dy: t
               head_num: int, input_layout: str, o: _Opts, seq_q: Sequence[int] | None,
               seq_kv: Sequence[int] | None, softmax_max: torch.Tensor | None,
               softmax_sum: torch.Tensor | None, attention_in: torch.Tensor | None,
-              query_rope: torch.Tensor | None = None, key_rope: torch.Tensor | None = None
+              query_rope: torch.Tensor | None = None, key_rope: torch.Tensor | None = None,
+              keep_prob: float = 1.0, seed: int = 0, offset: int = 0
               ) -> dict[str, torch.Tensor | None]:
-    """dq, dk, dv, dpse, dsink, dq_rope, dk_rope (the accumulation dtype; None when absent)."""
+    """dq, dk, dv, dpse, dsink, dq_rope, dk_rope (the accumulation dtype; None when absent).
+    With dropout, the mask is drawn again at the forward's ``seed`` / ``offset``."""
     acc = acc_dtype(query)
     call = _blocks(query, key, value, head_num, input_layout, seq_q, seq_kv, acc, query_rope,
                    key_rope)
+    o, _ = _with_dropout(o, call, keep_prob, None, seed, offset)
     nq, nkv = call.heads, call.kv_heads
     parts: dict[str, list[tuple[_Block, torch.Tensor]]] = {
         k: [] for k in ("dq", "dk", "dv", "dqr", "dkr")}
@@ -557,11 +618,16 @@ def _backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dy: t
         v = expand_kv(blk.v, nq)
         g = _block_rows(dy, call, blk, nq)
         assert g is not None
+        drop = _dropped(p, o, call, blk)
+        kept = p if drop is None else p * drop  # the probabilities the output was made of
         out = _block_rows(attention_in, call, blk, nq)
         if out is None:
-            out = torch.matmul(p, v)
+            out = torch.matmul(kept, v)
         rowdot = (g * out).sum(-1, keepdim=True)
-        ds = p * (torch.matmul(g, v.transpose(-1, -2)) - rowdot)  # d loss / d scores after scale
+        dp = torch.matmul(g, v.transpose(-1, -2))
+        if drop is not None:
+            dp = dp * drop
+        ds = p * (dp - rowdot)  # d loss / d scores after scale
         if o.sink is not None and dsink is not None:
             p_sink = torch.exp(o.sink.to(acc).view(1, -1, 1, 1) - m) / total
             dsink = dsink - (p_sink * rowdot).sum(dim=(0, 2, 3)).to(acc)
@@ -573,7 +639,7 @@ def _backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dy: t
         parts["dq"].append((blk, torch.matmul(dscore, k)))
         parts["dk"].append((blk, _reduce_heads(torch.matmul(dscore.transpose(-1, -2), blk.q),
                                                nkv)))
-        parts["dv"].append((blk, _reduce_heads(torch.matmul(p.transpose(-1, -2), g), nkv)))
+        parts["dv"].append((blk, _reduce_heads(torch.matmul(kept.transpose(-1, -2), g), nkv)))
         if blk.q_rope is not None and blk.k_rope is not None:
             kr = expand_kv(blk.k_rope, nq)
             parts["dqr"].append((blk, torch.matmul(dscore, kr)))
@@ -681,7 +747,8 @@ def npu_fusion_attention_grad(
     o = _opts(scale_value, pse, 1, atten_mask, sparse_mode, pre_tockens, next_tockens, prefix,
               sink=sink)
     r = _backward(query, key, value, dy, head_num, input_layout, o, actual_seq_qlen,
-                  actual_seq_kvlen, softmax_max, softmax_sum, attention_in)
+                  actual_seq_kvlen, softmax_max, softmax_sum, attention_in, keep_prob=keep_prob,
+                  seed=seed, offset=offset)
     return _grad_outputs(r, query, key, value, pse, sink)
 
 
@@ -727,7 +794,8 @@ def npu_fusion_attention_grad_v2(
     o = _opts(scale_value, pse, pse_type, atten_mask, sparse_mode, pre_tokens, next_tokens,
               prefix, q_start_idx, kv_start_idx, sink)
     r = _backward(query, key, value, dy, head_num, input_layout, o, actual_seq_qlen,
-                  actual_seq_kvlen, softmax_max, softmax_sum, attention_in, query_rope, key_rope)
+                  actual_seq_kvlen, softmax_max, softmax_sum, attention_in, query_rope, key_rope,
+                  keep_prob=keep_prob, seed=seed, offset=offset)
     dq, dk, dv, dpse, dsink = _grad_outputs(r, query, key, value, pse, sink)
     empty = query.new_empty((0,))
     dqr = r["dq_rope"].to(query.dtype).contiguous() if r["dq_rope"] is not None else empty
@@ -746,7 +814,8 @@ def fusion_attention_backward(inputs: dict[str, Any], outputs: Any, grads: Any) 
         softmax_max=outputs[1], softmax_sum=outputs[2], softmax_in=outputs[3],
         attention_in=outputs[0], scale_value=i["scale"], keep_prob=i["keep_prob"],
         pre_tockens=i["pre_tockens"], next_tockens=i["next_tockens"],
-        inner_precise=i["inner_precise"], prefix=i["prefix"],
+        inner_precise=i["inner_precise"], seed=outputs[4], offset=outputs[5],
+        numels=outputs[6], prefix=i["prefix"],
         actual_seq_qlen=i["actual_seq_qlen"], actual_seq_kvlen=i["actual_seq_kvlen"],
         sparse_mode=i["sparse_mode"], softmax_layout=i["softmax_layout"], sink=i["sink"])
     return {"query": dq, "key": dk, "value": dv,
@@ -765,7 +834,8 @@ def fusion_attention_v2_backward(inputs: dict[str, Any], outputs: Any, grads: An
         softmax_max=outputs[1], softmax_sum=outputs[2], softmax_in=outputs[3],
         attention_in=outputs[0], query_rope=i["query_rope"], key_rope=i["key_rope"],
         scale_value=i["scale"], keep_prob=i["keep_prob"], pre_tokens=i["pre_tokens"],
-        next_tokens=i["next_tokens"], inner_precise=i["inner_precise"], prefix=i["prefix"],
+        next_tokens=i["next_tokens"], inner_precise=i["inner_precise"], seed=outputs[4],
+        offset=outputs[5], numels=outputs[6], prefix=i["prefix"],
         actual_seq_qlen=i["actual_seq_qlen"], actual_seq_kvlen=i["actual_seq_kvlen"],
         sparse_mode=i["sparse_mode"], pse_type=i["pse_type"], q_start_idx=i["q_start_idx"],
         kv_start_idx=i["kv_start_idx"], softmax_layout=i["softmax_layout"], sink=i["sink"])

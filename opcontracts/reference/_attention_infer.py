@@ -165,9 +165,10 @@ def _pse_block(pse: torch.Tensor | None, b: int, sq: int, skv: int, acc: torch.d
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
             mask: torch.Tensor | None, pse: torch.Tensor | None,
-            qr: torch.Tensor | None = None, kr: torch.Tensor | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, sq, D) x (Nkv, skv, D) -> (N, sq, Dv) and the log-sum-exp (N, sq, 1)."""
+            qr: torch.Tensor | None = None, kr: torch.Tensor | None = None,
+            scores_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, sq, D) x (Nkv, skv, D) -> (N, sq, Dv) and the log-sum-exp (N, sq, 1);
+    ``scores_dtype``: the dtype ``q k^T`` is rounded to before the scale (None: none)."""
     n, nkv = q.size(0), k.size(0)
     if nkv != n:
         k, v = k.repeat_interleave(n // nkv, 0), v.repeat_interleave(n // nkv, 0)
@@ -176,6 +177,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     s = torch.matmul(q, k.transpose(-1, -2))
     if qr is not None and kr is not None:
         s = s + torch.matmul(qr, kr.transpose(-1, -2))
+    if scores_dtype is not None:
+        s = s.to(scores_dtype).to(q.dtype)
     s = s * scale
     if pse is not None:
         s = s + pse
@@ -197,7 +200,7 @@ def _infer(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, num_h
            value_scale: torch.Tensor | None = None, value_offset: torch.Tensor | None = None,
            prefix_k: torch.Tensor | None = None, prefix_v: torch.Tensor | None = None,
            prefix_len: Sequence[Any] | None = None, query_rope: torch.Tensor | None = None,
-           key_rope: torch.Tensor | None = None
+           key_rope: torch.Tensor | None = None, scores_dtype: torch.dtype | None = None
            ) -> tuple[torch.Tensor, torch.Tensor, str]:
     """(attention_out in the accumulation dtype and the output layout, lse (B, N, S, 1) or
     (T, N, 1), the output layout)."""
@@ -253,7 +256,8 @@ def _infer(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, num_h
             k, v = torch.cat([pk, k], 1), torch.cat([pv, v], 1)
         sq, skv = qs[b].size(1), k.size(1)
         mask = _mask_block(atten_mask, b, n_b, sq, skv, sparse_mode, pre, nxt, qs_full)
-        o, lse = _attend(qs[b], k, v, scale, mask, _pse_block(pse, b, sq, skv, acc), qrs[b], kr)
+        o, lse = _attend(qs[b], k, v, scale, mask, _pse_block(pse, b, sq, skv, acc), qrs[b], kr,
+                         scores_dtype)
         outs.append(o)
         lses.append(lse)
     dv = vs[0].size(-1) if vs else value.size(-1)
@@ -381,14 +385,20 @@ def npu_prompt_flash_attention(
     num_key_value_heads: int = 0, actual_seq_lengths_kv: Sequence[int] | None = None,
     sparse_mode: int = 0,
 ) -> torch.Tensor:
-    """Prefill attention: the output in query's layout (BSND for BNSD_BSND) and dtype."""
+    """Prefill attention: the output in query's layout (BSND for BNSD_BSND) and dtype.
+
+    float16 query / key without ``pse_shift`` run the kernel's high-performance mode (the doc:
+    only with ``pse_shift`` does float16 default to high precision): ``q k^T`` is rounded to
+    float16 before the scale, as op-plugin's test golden computes it (float16 matmul, then the
+    scale, softmax in float32)."""
     _not_quantized(query, deq_scale1=deq_scale1, quant_scale1=quant_scale1,
                    deq_scale2=deq_scale2, quant_scale2=quant_scale2)
+    fast = query.dtype == key.dtype == torch.float16 and pse_shift is None
     out, _, _ = _infer(query, key, value, num_heads=num_heads, num_kv_heads=num_key_value_heads,
                        scale=scale_value, input_layout=input_layout, pse=pse_shift,
                        atten_mask=atten_mask, seq_q=actual_seq_lengths,
                        seq_kv=actual_seq_lengths_kv, sparse_mode=sparse_mode, pre=pre_tokens,
-                       nxt=next_tokens)
+                       nxt=next_tokens, scores_dtype=torch.float16 if fast else None)
     return _cast_out(out, query)
 
 

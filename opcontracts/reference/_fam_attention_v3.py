@@ -6,7 +6,9 @@
   offset returned as tensors, without ``numels`` (torch_npu 2.14.0 schema; op-plugin
   ``test/test_custom_ops/test_npu_flash_attention.py`` compares it with the same golden as v1);
   ``npu_fusion_attention_grad_v3`` likewise takes the seed and offset as tensors.  The math is
-  the v1 references' (``_attention``); dropout is not covered (``keep_prob`` 1).
+  the v1 references' (``_attention``), dropout included: v3's schema has no seed or offset
+  argument (the kernel draws them from the NPU generator), so the forward's reference takes
+  them as two keyword arguments past the schema's, which the emulation fills with its draw.
 * ``npu_ring_attention_update`` (torch_npu 2.14.0 schema: ``input_layout`` "SBH" or "TND",
   ``input_softmax_layout`` "" or "TND") merges two partial attention results by their softmax
   statistics, the MindSpeed op's math (``_attention.npu_ring_attention_update``); with
@@ -45,19 +47,22 @@ def npu_fusion_attention_v3(
     next_tockens: int = _BIG, inner_precise: int = 0, prefix: Any = None,
     actual_seq_qlen: torch.Tensor | None = None, actual_seq_kvlen: torch.Tensor | None = None,
     sparse_mode: int = 0, gen_mask_parallel: bool = True, sync: bool = False,
-    softmax_layout: str = "", sink: torch.Tensor | None = None,
+    softmax_layout: str = "", sink: torch.Tensor | None = None, *, seed: int = 0,
+    offset: int = 0,
 ) -> tuple[torch.Tensor, ...]:
     """(attention_out, softmax_max, softmax_sum, softmax_in, seed, offset): v1's outputs with
-    the seed and offset as int64 tensors (zero: no dropout)."""
-    out, smax, ssum, sin, *_ = _attention.npu_fusion_attention(
+    the seed and offset as int64 tensors (zero: no dropout).  ``seed`` / ``offset`` are not the
+    schema's: the NPU generator's draw for the dropout (the module docstring)."""
+    out, smax, ssum, sin, drawn_seed, drawn_offset, _ = _attention.npu_fusion_attention(
         query, key, value, head_num, input_layout, pse=pse, padding_mask=padding_mask,
         atten_mask=atten_mask, scale=scale, keep_prob=keep_prob, pre_tockens=pre_tockens,
         next_tockens=next_tockens, inner_precise=inner_precise, prefix=prefix,
         actual_seq_qlen=_lengths(actual_seq_qlen), actual_seq_kvlen=_lengths(actual_seq_kvlen),
         sparse_mode=sparse_mode, gen_mask_parallel=gen_mask_parallel, sync=sync,
-        softmax_layout=softmax_layout, sink=sink)
-    zero = torch.zeros((1,), dtype=torch.int64, device=query.device)
-    return out, smax, ssum, sin, zero, zero.clone()
+        softmax_layout=softmax_layout, sink=sink, seed=seed, offset=offset)
+    # the kernel's glue returns them as CPU tensors (op-plugin dropout_gen_mask_tensor)
+    return (out, smax, ssum, sin, torch.tensor([drawn_seed], dtype=torch.int64),
+            torch.tensor([drawn_offset], dtype=torch.int64))
 
 
 def npu_fusion_attention_grad_v3(
@@ -82,7 +87,13 @@ def npu_fusion_attention_grad_v3(
         inner_precise=inner_precise, prefix=prefix, actual_seq_qlen=_lengths(actual_seq_qlen),
         actual_seq_kvlen=_lengths(actual_seq_kvlen), sparse_mode=sparse_mode,
         gen_mask_parallel=gen_mask_parallel, sync=sync, softmax_layout=softmax_layout,
-        sink=sink)
+        sink=sink, seed=_scalar(seed), offset=_scalar(offset))
+
+
+def _scalar(t: torch.Tensor | int | None) -> int:
+    if t is None:
+        return 0
+    return int(t.reshape(-1)[0].item()) if isinstance(t, torch.Tensor) else int(t)
 
 
 def fusion_attention_v3_backward(inputs: dict[str, Any], outputs: Any, grads: Any
@@ -96,7 +107,8 @@ def fusion_attention_v3_backward(inputs: dict[str, Any], outputs: Any, grads: An
         padding_mask=i["padding_mask"], atten_mask=i["atten_mask"], softmax_max=outputs[1],
         softmax_sum=outputs[2], softmax_in=outputs[3], attention_in=outputs[0],
         scale_value=i["scale"], keep_prob=i["keep_prob"], pre_tockens=i["pre_tockens"],
-        next_tockens=i["next_tockens"], inner_precise=i["inner_precise"], prefix=i["prefix"],
+        next_tockens=i["next_tockens"], inner_precise=i["inner_precise"], seed=outputs[4],
+        offset=outputs[5], prefix=i["prefix"],
         actual_seq_qlen=i["actual_seq_qlen"], actual_seq_kvlen=i["actual_seq_kvlen"],
         sparse_mode=i["sparse_mode"], softmax_layout=i["softmax_layout"], sink=i["sink"])
     return {"query": dq, "key": dk, "value": dv,

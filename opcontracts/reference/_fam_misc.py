@@ -48,6 +48,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ._dropout import _npu_dropout_gen_mask
 from ._entry import Reference
 from ._fam_norm_quant import npu_dynamic_mx_quant
 from ._util import acc_dtype
@@ -300,6 +301,10 @@ def _weight_quant_bmm_example(gen: torch.Generator) -> Example:
         "antiquant_offset": torch.randint(-2, 3, (n,), generator=gen).to(torch.float16)}
 
 
+def _gen_mask_example(gen: torch.Generator) -> Example:
+    return (torch.zeros(1, dtype=torch.float16), [2, 100], 0.2, 7, 0), {}
+
+
 # --------------------------------------------------------------------------- the entries
 REFERENCES: tuple[Reference, ...] = (
     Reference("npu_gelu", npu_gelu, example=_gelu_example,
@@ -326,4 +331,7 @@ REFERENCES: tuple[Reference, ...] = (
               source=f"{_DOCS} (scale_alg 0); OCP Microscaling Formats (MX) v1.0"),
     Reference("npu_weight_quant_batchmatmul", npu_weight_quant_batchmatmul,
               example=_weight_quant_bmm_example, source=f"{_DOCS} (int8 weight); {_META}"),
+    Reference("_npu_dropout_gen_mask", _npu_dropout_gen_mask, example=_gen_mask_example,
+              source="op-plugin op_plugin/ops/opapi/DropoutGenMaskKernelNpuOpApi.cpp (length "
+                     "and layout; the bits are the emulation's stream, reference._dropout)"),
 )

@@ -67,11 +67,13 @@ def _sort_desc(v: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _by_expert(ids: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For flat expert ids: the stable order that sorts the ids in ``[lo, hi)`` by expert (the
-    others last) and, in that order, which entries are valid."""
+    """For flat expert ids: the stable order that sorts the ids in ``[lo, hi)`` by expert and,
+    in that order, which entries are valid.  The others follow as the kernel sorts them
+    (op-plugin's init_routing_v2 golden): ids at or past ``hi`` by id, then those below ``lo``
+    (sorted as the largest int), each in position order."""
     ids = ids.reshape(-1).long()
     valid = (ids >= lo) & (ids < hi)
-    key = torch.where(valid, ids, torch.full_like(ids, torch.iinfo(torch.int64).max))
+    key = torch.where(ids >= lo, ids, torch.full_like(ids, torch.iinfo(torch.int64).max))
     order = torch.argsort(key, stable=True)
     return order, valid[order]
 
@@ -291,7 +293,7 @@ def npu_moe_init_routing_v2(
     expanded_scale = x.new_zeros((rows,), dtype=_F32)
     if quant_mode == 1:
         fx = expanded_x.to(_F32)
-        if scale is not None:
+        if scale is not None and fx.numel():  # no rows (an empty x): nothing to smooth
             if scale.size(0) == 1:
                 smooth = scale.to(_F32)[0].expand_as(fx)
             else:

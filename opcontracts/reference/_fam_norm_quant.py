@@ -406,6 +406,24 @@ def _npu_dtype_name(value: int | None) -> str:
             _ST_INT32: "int32"}.get(value, str(value))
 
 
+def _int4_unpacked(t: torch.Tensor, axis: int) -> torch.Tensor:
+    """int32 holding eight int4 each (the first in the lowest bits) -> int64 values in
+    [-8, 7], ``axis`` eight times longer."""
+    moved = t.movedim(axis, -1).to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(0, 32, 4, device=t.device, dtype=torch.int64)
+    nib = (moved.unsqueeze(-1) >> shifts) & 0xF
+    values = torch.where(nib >= 8, nib - 16, nib).flatten(-2)
+    return values.movedim(-1, axis)
+
+
+def _packed_axis(x2: torch.Tensor) -> int:
+    """The axis x2's int4 values are packed along (the doc): (k, n // 8) contiguous -> the last;
+    (k // 8, n), the transpose of a contiguous (n, k // 8) -> the one before."""
+    if x2.dim() >= 2 and x2.stride(-2) == 1 and x2.stride(-1) != 1 and x2.size(-2) > 1:
+        return -2
+    return -1
+
+
 def npu_quant_matmul(x1: torch.Tensor, x2: torch.Tensor, scale: torch.Tensor, *,
                      offset: torch.Tensor | None = None,
                      pertoken_scale: torch.Tensor | None = None,
@@ -414,8 +432,9 @@ def npu_quant_matmul(x1: torch.Tensor, x2: torch.Tensor, scale: torch.Tensor, *,
                      pertoken_scale_dtype: int | None = None, scale_dtype: int | None = None,
                      group_sizes: Sequence[int] | None = None,
                      y_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """torch_npu 2.14.0 doc (int8 modes): ``acc = x1 @ x2`` (batched, broadcast) in exact
-    integer arithmetic; an int32 bias is added to acc; ``y = acc * scale [* pertoken_scale]``
+    """torch_npu 2.14.0 doc (int8 modes, and A4W4: int32 x1 (m, k // 8) and x2 (k, n // 8), or
+    x2 (k // 8, n) transposed from a contiguous (n, k // 8), eight int4 per int32, the first in
+    the lowest bits): ``acc = x1 @ x2`` (batched, broadcast) in exact integer arithmetic; an int32 bias is added to acc; ``y = acc * scale [* pertoken_scale]``
     (per output column / per row), a floating bias added after, ``offset`` added for int8
     output; int8 output rounded and saturated, fp16 / bf16 cast."""
     extra = {"x1_dtype": x1_dtype, "x2_dtype": x2_dtype, "scale_dtype": scale_dtype,
@@ -425,8 +444,11 @@ def npu_quant_matmul(x1: torch.Tensor, x2: torch.Tensor, scale: torch.Tensor, *,
     if given:
         raise NotImplementedError(f"npu_quant_matmul: the modes chosen by {', '.join(given)} "
                                   "(fp8 / fp4 / hifloat8 / mx / A8W4) are not emulated")
-    if x1.dtype == torch.int32 or x2.dtype == torch.int32:
-        raise NotImplementedError("npu_quant_matmul: int4 packed in int32 (A4W4) is not emulated")
+    if (x1.dtype == torch.int32) != (x2.dtype == torch.int32):
+        raise NotImplementedError("npu_quant_matmul: one int32 (int4-packed) input with an int8 "
+                                  "one is not a mode of the doc")
+    if x1.dtype == torch.int32:  # A4W4: eight int4 per int32
+        x1, x2 = _int4_unpacked(x1, -1), _int4_unpacked(x2, _packed_axis(x2))
     if output_dtype not in (None, _ST_INT8, _ST_FP16, _ST_BF16):
         raise NotImplementedError(f"npu_quant_matmul: output_dtype "
                                   f"{_npu_dtype_name(output_dtype)} is not emulated")
