@@ -51,6 +51,15 @@ def wide() -> Iterator[None]:
         yield
 
 
+# dtypes that are a mode only together with another argument's: the grid changes one argument
+# at a time (the others at the example's dtype), so alone they measure wrong, as the kernel
+# computes them (A4W4: int4 packed in int32 in x1 and x2 at once; int32 x1 with int8 x2 is
+# no mode of npu_quant_matmul)
+PAIRED_MODES: dict[tuple[str, str], set[str]] = {
+    ("npu_quant_matmul", "x1"): {"int32"}, ("npu_quant_matmul", "x2"): {"int32"},
+}
+
+
 @pytest.mark.parametrize("profile", ["narrow", "incident", "wide"])
 def test_recovers_each_profiles_dtypes_for_every_emulated_op(profile: str) -> None:
     """Per kernel and argument the profile lists, the dtypes measured correct are exactly the
@@ -68,11 +77,14 @@ def test_recovers_each_profiles_dtypes_for_every_emulated_op(profile: str) -> No
                 if a.name in listed:
                     # the dtypes of its grid (a float x that a quantized mode takes as int8 too)
                     want = set(listed[a.name]) & {c.dtype for c in a.cells}
+                    want -= PAIRED_MODES.get((op, a.name), set())
                     if want <= ONE_BYTE and a.kind == "mask":
                         assert want <= correct <= want | ONE_BYTE, (op, a.name, correct)
                     else:
                         assert correct == want, (op, a.name, sorted(correct), sorted(want))
-                    assert a.dtypes("raises") == [], (op, a.name)  # garbage, silently
+                    # garbage, silently (a paired mode's dtype alone: refused, as no mode)
+                    assert set(a.dtypes("raises")) <= PAIRED_MODES.get((op, a.name), set()), \
+                        (op, a.name)
                 else:
                     assert correct == {c.dtype for c in a.cells}, (op, a.name)
                     assert len(a.cells) == len(GRIDS[a.kind])
