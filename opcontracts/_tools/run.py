@@ -108,6 +108,8 @@ changes folder).
 
 _MODES = ("strict", "warn", "fix", "off")
 DEVICES_ENV = "OPCONTRACTS_EMULATE_DEVICES"  # emulation._device.DEVICES_ENV (imported lazily)
+CHILD_ENV = "OPCONTRACTS_EMULATE_CHILD"  # the profile the script's Python children install
+_CHILD_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_child_site")
 
 
 @dataclass
@@ -383,6 +385,7 @@ def run(opts: RunOptions) -> int:
             print(f"opcontracts run: --contracts: {exc}", file=sys.stderr)
             return 2
     saved_devices = os.environ.get(DEVICES_ENV)
+    saved_child = (os.environ.get(CHILD_ENV), os.environ.get("PYTHONPATH"))
     emulated = _emulate(opts.emulate, opts.devices)
     if emulated is None:
         return 2
@@ -437,6 +440,9 @@ def run(opts: RunOptions) -> int:
             emulation.uninstall()
         if opts.devices is not None:
             _restore_env(DEVICES_ENV, saved_devices)
+        if opts.emulate is not None:
+            _restore_env(CHILD_ENV, saved_child[0])
+            _restore_env("PYTHONPATH", saved_child[1])
     if not written and status == 0:  # the script did its part; an asked-for file is lost
         return 2
     return status
@@ -517,6 +523,11 @@ def _emulate(profile: str | None, devices: int | None = None) -> bool | None:
     except (RuntimeError, SettingError) as exc:
         print(f"opcontracts run: --emulate: {exc}", file=sys.stderr)
         return None
+    # the Python processes the script starts (spawned workers, torchrun's ranks) install the
+    # same emulation at start-up (_child_site/sitecustomize.py)
+    os.environ[CHILD_ENV] = profile
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [_CHILD_SITE, *filter(None, [os.environ.get("PYTHONPATH")])])
     return not was_installed
 
 
