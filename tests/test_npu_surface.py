@@ -360,3 +360,15 @@ def test_a_cuda_script_runs_with_transfer_to_npu_in_a_fresh_process(tmp_path: Pa
                        capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "npu:0 npu:0"
+
+
+def test_default_generators_state_is_get_rng_states(npu: Any) -> None:
+    # Megatron's _set_cuda_rng_state sets torch.cuda.get_rng_state()'s through
+    # default_generators[idx].set_state: one state, whichever way it is taken
+    gen = torch.npu.default_generators[torch.npu.current_device()]
+    state = torch.npu.get_rng_state()
+    assert torch.equal(gen.get_state(), state)
+    a = torch.randn(4, device="npu")
+    gen.set_state(state)
+    assert torch.equal(torch.randn(4, device="npu").cpu(), a.cpu())
+    assert len(torch.npu.default_generators) == torch.npu.device_count()

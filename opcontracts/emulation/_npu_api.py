@@ -8,8 +8,9 @@ emulated device module (``_device``), each behaving as it can on CPU memory:
 * **random state**: npu ops draw from the CPU generator (``_device``), the kernels that draw
   their own bits (fusion attention's dropout) from the NPU generator's Philox seed and offset
   (``_philox``), so ``get_rng_state`` is the CPU generator's state followed by the Philox
-  state's 16 bytes, and ``set_rng_state`` sets both (``seed``, ``initial_seed``,
-  ``default_generators`` are the CPU generator's): a state saved before an op and set again
+  state's 16 bytes, and ``set_rng_state`` sets both (``seed`` and ``initial_seed`` are the
+  CPU generator's; ``default_generators[i]``'s state is ``get_rng_state()``'s, as on torch_npu,
+  the rest of it the CPU generator's): a state saved before an op and set again
   makes the op draw the same numbers (an activation checkpoint's recompute the same dropout
   mask), and ``torch.random.fork_rng(device_type="npu")`` works;
 * **memory statistics**: npu tensors live in host memory, which no NPU allocator caches: the
@@ -307,6 +308,57 @@ _FUNCTIONS = (
 )
 
 
+class _NpuGenerator:
+    """``torch.npu.default_generators[i]`` as torch_npu has it: its state is ``get_rng_state()``'s
+    (the CPU generator's, which npu ops draw from, and the Philox seed and offset), so a state
+    taken with one and set with the other round-trips (Megatron's ``_set_cuda_rng_state`` sets
+    ``torch.cuda.get_rng_state()``'s through ``default_generators[idx].set_state``).  Anything
+    else is the CPU generator's."""
+
+    def __init__(self, mod: types.ModuleType, index: int) -> None:
+        self._mod = mod
+        self.device = torch.device("npu", index)
+
+    def get_state(self) -> torch.Tensor:
+        return get_rng_state()
+
+    def set_state(self, new_state: torch.Tensor) -> _NpuGenerator:
+        set_rng_state(new_state)
+        return self
+
+    def manual_seed(self, seed: int) -> _NpuGenerator:
+        self._mod.manual_seed(int(seed))
+        return self
+
+    def seed(self) -> int:
+        seed()
+        return initial_seed()
+
+    def initial_seed(self) -> int:
+        return initial_seed()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.default_generator, name)
+
+
+class _DefaultGenerators:
+    """One generator per emulated device (``len`` is the device count)."""
+
+    def __init__(self, mod: types.ModuleType) -> None:
+        self._mod = mod
+
+    def __len__(self) -> int:
+        return max(1, int(self._mod.device_count()))
+
+    def __getitem__(self, index: int) -> _NpuGenerator:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"default_generators: device {index} of {len(self)}")
+        return _NpuGenerator(self._mod, index % len(self))
+
+    def __iter__(self) -> Any:
+        return (self[i] for i in range(len(self)))
+
+
 def extend(mod: types.ModuleType) -> None:
     """Put the API above, the streams, events and graphs (``_npu_streams``) on the device
     module ``mod``; names the device module already has are kept.  ``mod`` becomes a package
@@ -331,7 +383,7 @@ def extend(mod: types.ModuleType) -> None:
     put("config", _NpuConfig())
     put("matmul", _AllowHF32(False))
     put("conv", _AllowHF32(True))
-    put("default_generators", (torch.default_generator,))
+    put("default_generators", _DefaultGenerators(mod))
     for name, value in _npu_streams.api(mod).items():
         put(name, value)
     put("__path__", [])  # a package: torch_npu.npu.utils and the like are submodules
