@@ -92,6 +92,22 @@ def npu() -> Iterator[Any]:
 
 
 @pytest.fixture
+def npu_device() -> Iterator[Any]:
+    """The emulation with its npu device (narrow profile, no patch), put back afterwards with
+    a CANN pin dropped again; the stand-in ``torch_npu`` module."""
+    from opcontracts import emulation
+
+    emulation.install("narrow", device=True)
+    import torch_npu
+
+    try:
+        yield torch_npu
+    finally:
+        emulation.uninstall()
+        opcontracts.set_versions(cann=None)
+
+
+@pytest.fixture
 def emulated() -> Iterator[Callable[..., None]]:
     """``emulated(*args, **kwargs)``: ``emulation.install(*args, **kwargs)`` with the patch
     applied; after the test the emulation is uninstalled and the patch left as it was (for a

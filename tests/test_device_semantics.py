@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,6 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from opcontracts import emulation
 from opcontracts.emulation import _cpu_gaps, _device
 from opcontracts.errors import SettingError
 
@@ -24,14 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
-def npu() -> Iterator[Any]:
-    emulation.install("narrow", device=True)
-    import torch_npu
-
-    try:
-        yield torch_npu
-    finally:
-        emulation.uninstall()
+def npu(npu_device: Any) -> Any:
+    """conftest's ``npu_device``: the emulation with its device, no patch."""
+    return npu_device
 
 
 def _run(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -7,27 +7,17 @@ op-plugin's flash-attention tests build their golden from."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-import opcontracts
-from opcontracts import emulation
-
 
 @pytest.fixture
-def npu() -> Iterator[Any]:
-    emulation.install("narrow", device=True)
-    import torch_npu
-
-    try:
-        yield torch_npu
-    finally:
-        emulation.uninstall()
-        opcontracts.set_versions(cann=None)
+def npu(npu_device: Any) -> Any:
+    """conftest's ``npu_device``: the emulation with its device, no patch."""
+    return npu_device
 
 
 def _bits(mask: torch.Tensor, count: int) -> torch.Tensor:

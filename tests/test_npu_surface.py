@@ -10,7 +10,6 @@ import subprocess
 import sys
 import textwrap
 import unittest
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,16 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
-def npu() -> Iterator[Any]:
-    """The emulation with its npu device (no patch), put back afterwards."""
-    emulation.install("narrow", device=True)
-    import torch_npu
-
-    try:
-        yield torch_npu
-    finally:
-        emulation.uninstall()
-        opcontracts.set_versions(cann=None)
+def npu(npu_device: Any) -> Any:
+    """conftest's ``npu_device``: the emulation with its device, no patch."""
+    return npu_device
 
 
 def _case() -> Any:

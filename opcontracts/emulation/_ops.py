@@ -195,10 +195,10 @@ def _through(view: Callable[[str, str, Any], Any], name: str, fn: Callable[..., 
     return entry
 
 
-def _glued(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` behind the checks torch_npu's C++ glue makes for ``name`` (``_glue``), if any."""
-    check = _glue.checks(name)
-    if check is None:
+def _before(fn: Callable[..., Any], hook: Callable[[Any], None] | None) -> Callable[..., Any]:
+    """``fn`` with ``hook`` given its bound arguments (defaults applied) first; ``fn`` itself
+    when there is no hook.  ``hook`` may set arguments (a draw), which ``fn`` then gets."""
+    if hook is None:
         return fn
     signature = inspect.signature(fn)
 
@@ -206,28 +206,21 @@ def _glued(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     def entry(*args: Any, **kwargs: Any) -> Any:
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        check(bound.arguments)
-        return fn(*args, **kwargs)
+        hook(bound.arguments)
+        return fn(*bound.args, **bound.kwargs)
 
     return entry
+
+
+def _glued(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` behind the checks torch_npu's C++ glue makes for ``name`` (``_glue``), if any."""
+    return _before(fn, _glue.checks(name))
 
 
 def _drawing(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` given the NPU generator's draw where the kernel's glue takes one (``_philox``:
     fusion attention's dropout seed and offset); the fake draws nothing."""
-    draw = _philox.DRAWS.get(name)
-    if draw is None:
-        return fn
-    signature = inspect.signature(fn)
-
-    @functools.wraps(fn)
-    def entry(*args: Any, **kwargs: Any) -> Any:
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        draw(bound.arguments)
-        return fn(*bound.args, **bound.kwargs)
-
-    return entry
+    return _before(fn, _philox.DRAWS.get(name))
 
 
 def _opaque(fn: Callable[..., Any]) -> Callable[..., Any]:
