@@ -291,6 +291,27 @@ def test_record_leaves_out_calls_it_cannot_read(capsys: Any, tmp_path: Path) -> 
     assert "npu_rms_norm" not in ops and "mindspeed.npu_moe_token_unpermute" in ops
 
 
+def test_record_with_nothing_to_record_writes_no_file(capsys: Any, tmp_path: Path) -> None:
+    """Every call unreadable: no golden file (an empty one would make each later compare
+    against it vacuous), exit status 3 and one line saying why; an older file is kept."""
+    rank = tmp_path / "rank0"
+    shutil.copytree(CLEAN / "step0" / "rank0", rank)
+    data = json.loads((rank / "dump.json").read_text())
+    for entry in data["data"].values():
+        for a in entry.get("input_args", []):
+            if isinstance(a, dict):
+                a.pop("dtype", None)
+    (rank / "dump.json").write_text(json.dumps(data))
+    out = tmp_path / "golden.toml"
+    assert cli.main(["record", "--from-dump", str(rank), "-o", str(out)]) == 3
+    err = capsys.readouterr().err
+    assert "nothing recorded from" in err and "record cannot be read" in err
+    assert "not written" in err and not out.exists()
+    out.write_text("# an older golden file\n")
+    assert cli.main(["record", "--from-dump", str(rank), "-o", str(out)]) == 3
+    assert out.read_text() == "# an older golden file\n"
+
+
 # ----------------------------------------------------------------- tensor files are never read
 def test_tensor_files_are_never_unpickled(capsys: Any, tmp_path: Path) -> None:
     """A tensor-mode dump's .pt files, here pickles that would write a file when loaded: neither

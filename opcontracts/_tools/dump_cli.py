@@ -105,11 +105,18 @@ def _cmd_record(ns: Any, load: Loader) -> int:
     for w in seen:
         print(f"{w.message}", file=sys.stderr)
     total = sum(res.recorded.values())
+    broke = (f"{sum(res.left_out.values())} call(s) that broke a contract "
+             + ("recorded too" if ns.record_violations else "left out")) if res.left_out else ""
+    unread = (f"{sum(res.unread.values())} call(s) left out: an argument's record cannot be "
+              "read (check-dump says which and why)") if res.unread else ""
+    if not res.written:  # an empty golden file would make every compare against it vacuous
+        why = "; ".join(x for x in (broke, unread) if x) or "no call of an op with a contract"
+        print(f"opcontracts record: nothing recorded from {ns.from_dump} ({why}); "
+              f"{res.path} not written"
+              + (" (--record-violations keeps the calls that broke a contract)"
+                 if res.left_out and not ns.record_violations else ""), file=sys.stderr)
+        return 3
     print(f"opcontracts record: {total} call(s) of {len(res.recorded)} op(s) recorded from "
-          f"{ns.from_dump} into {res.path}" + (
-              f"; {sum(res.left_out.values())} call(s) that broke a contract "
-              + ("recorded too" if ns.record_violations else "left out")
-              if res.left_out else "") + (
-              f"; {sum(res.unread.values())} call(s) left out: an argument's record cannot be "
-              "read (check-dump says which and why)" if res.unread else ""), file=sys.stderr)
+          f"{ns.from_dump} into {res.path}" + "".join(f"; {x}" for x in (broke, unread) if x),
+          file=sys.stderr)
     return 0

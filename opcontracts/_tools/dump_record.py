@@ -31,6 +31,9 @@ class DumpRecording:
     """op -> calls that violate a contract (left out, or kept with ``record_violations``)"""
     unread: dict[str, int] = field(default_factory=dict)
     """op -> calls left out because an argument's record cannot be read (no dtype ...)"""
+    written: bool = False
+    """False when nothing could be recorded: no file is written (an empty golden file would
+    make every later compare against it vacuous)"""
 
 
 def record_dump(path: str | Path, out: str | Path, stacks: Stacks, *,
@@ -81,5 +84,7 @@ def record_dump(path: str | Path, out: str | Path, stacks: Stacks, *,
     if result.unread:
         origin += ("; calls with an argument whose record cannot be read left out: " +
                    ", ".join(f"{op} ({n})" for op, n in sorted(result.unread.items())))
-    rec.write(out, origin=origin)
+    if result.recorded:
+        rec.write(out, origin=origin)
+        result.written = True
     return result
