@@ -51,7 +51,8 @@ from ._observers.judge import judge
 __all__ = ["GRIDS", "Cell", "ProbeReport", "probe"]
 
 Status = Literal["correct", "wrong", "raises", "n/a"]
-Claim = Literal["allowed", "forbidden", "no contract"]
+Claim = Literal["allowed", "conditional", "forbidden", "no contract"]
+"""``conditional``: allowed only while a version is unknown (the guard warns, a target decides)"""
 
 _SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
           torch.float64: "fp64", torch.int64: "int64", torch.int32: "int32", torch.int16: "int16",
@@ -102,7 +103,9 @@ class ArgReport:
         return {"name": self.name, "kind": self.kind, "conforming": self.conforming,
                 "list": self.tensor_list,
                 **{s: self.dtypes(s) for s in ("correct", "wrong", "raises", "n/a")},
-                "allowed_by_contract": [c.dtype for c in self.cells if c.claim == "allowed"]}
+                "allowed_by_contract": [c.dtype for c in self.cells if c.claim == "allowed"],
+                "allowed_while_unknown": [c.dtype for c in self.cells
+                                          if c.claim == "conditional"]}
 
 
 @dataclass
@@ -131,6 +134,13 @@ class ProbeReport:
                                                                                 "raises")]
 
     @property
+    def unknown_but_wrong(self) -> list[Cell]:
+        """Allowed only while a version is unknown (warned, not raised) and computed wrong: a
+        target (or the versions) decides them."""
+        return [c for c in self.cells if c.claim == "conditional" and c.status in ("wrong",
+                                                                                    "raises")]
+
+    @property
     def correct_but_forbidden(self) -> list[Cell]:
         """The kernel computes these right; the contract rejects them."""
         return [c for c in self.cells if c.claim == "forbidden" and c.status == "correct"]
@@ -144,7 +154,8 @@ class ProbeReport:
                 + (f"; emulation profile '{self.profile}'" if self.profile else "")]
         rows = [("argument", "kind", "correct", "wrong (silent)", "raises", "contract allows")]
         for a in self.args:
-            allowed = [c.dtype for c in a.cells if c.claim == "allowed"]
+            allowed = [c.dtype + ("?" if c.claim == "conditional" else "") for c in a.cells
+                       if c.claim in ("allowed", "conditional")]
             rows.append((a.name + ("[]" if a.tensor_list else ""), a.kind,
                          ", ".join(a.dtypes("correct")) or "-",
                          ", ".join(a.dtypes("wrong")) or "-",
@@ -152,6 +163,9 @@ class ProbeReport:
                          ", ".join(allowed) or ("-" if any(c.claim != "no contract"
                                                            for c in a.cells) else "(no contract)")))
         lines = head + [""] + aligned(rows)
+        if any(c.claim == "conditional" for c in self.cells):
+            lines.append("  (?: allowed only while a version is unknown: the guard warns; a "
+                         "target decides)")
         if self.coupled:
             lines += ["", "coupled (the contract ties their dtypes; all given the dtype):"]
             for c in self.coupled:
@@ -163,6 +177,12 @@ class ProbeReport:
                      + ("none" if not bad else ""))
         for c in bad:
             lines.append(f"  {' + '.join(c.args)} = {c.dtype}: {c.status} ({c.detail})")
+        unsure = self.unknown_but_wrong
+        if unsure:
+            lines.append("allowed while a version is unknown, and wrong (set the target to "
+                         "decide them):")
+            for c in unsure:
+                lines.append(f"  {' + '.join(c.args)} = {c.dtype}: {c.status} ({c.detail})")
         good = self.correct_but_forbidden
         lines.append("correct but forbidden (the kernel computes it right, the contract rejects "
                      "it): " + ("none" if not good else ""))
@@ -303,13 +323,15 @@ class _Runner:
     def claim(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Claim, str | None]:
         if self.cc is None:
             return "no contract", None
-        from ._engine.enforce import check_call
+        from ._engine.enforce import allowed_only_while_unknown, check_call
         from .errors import ContractViolation
 
         try:
             check_call(self.cc, args, kwargs, warn=False)  # probe's own call: no warning
         except ContractViolation as exc:
             return "forbidden", f"{exc.arg}: {exc.rule}"
+        if allowed_only_while_unknown(self.cc, args, kwargs):
+            return "conditional", None
         return "allowed", None
 
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Status, str]:

@@ -102,6 +102,24 @@ def test_reports_both_kinds_of_disagreement_with_the_contract(narrow: None, vers
     assert "claimed but wrong (the contract allows it, the kernel gets it wrong):" in rep.table()
 
 
+def test_an_allowance_only_while_cann_is_unknown_is_told_apart(narrow: None) -> None:
+    # CANN unknown: fp32 probs pass strict mode only as a conditional call (the 8.0.RC3 reading
+    # rejects them, a later one allows them); the narrow kernel misreads them.  That is not a
+    # contract that must forbid them (the claimed-but-wrong exit), it is a target to set.
+    prev = opcontracts.set_versions(cann="unknown")
+    try:
+        rep = probe("npu_moe_token_unpermute")
+    finally:
+        opcontracts.set_versions(**prev)
+    probs = next(a for a in rep.args if a.name == "probs").to_dict()
+    assert "fp32" in probs["allowed_while_unknown"]
+    assert "fp32" not in probs["allowed_by_contract"]
+    assert (("probs",), "fp32") not in {(c.args, c.dtype) for c in rep.claimed_but_wrong}
+    assert (("probs",), "fp32") in {(c.args, c.dtype) for c in rep.unknown_but_wrong}
+    table = rep.table()
+    assert "fp32?" in table and "allowed while a version is unknown, and wrong" in table
+
+
 def test_correct_but_forbidden(wide: None) -> None:
     # the incident's stack (CANN 8.0.RC3: bf16 only) declared; the wide kernels read fp32 (with
     # CANN unknown the bf16-only reading is one of several: a conditional verdict, not forbidden)

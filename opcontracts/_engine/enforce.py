@@ -426,6 +426,16 @@ def check_call(cc: CompiledContract, args: tuple[Any, ...], kwargs: dict[str, An
     raise violation_from_raw(raw, site, _Bound(cc, args, kwargs).get(raw.rule.partner), reading)
 
 
+def allowed_only_while_unknown(cc: CompiledContract, args: tuple[Any, ...],
+                               kwargs: dict[str, Any]) -> bool:
+    """True when the strict rules reject the call and only a reading of a version not known
+    lets it through: ``check_call`` warns (conditional) instead of raising."""
+    if _raw(cc, args, kwargs) is None:
+        return False
+    verdict = conditional.judge(cc, args, kwargs)
+    return verdict is not None and verdict.conditional
+
+
 def explain_call(cc: CompiledContract, args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> ContractViolation | None:
     """The ``ContractViolation`` of the first rule of ``cc`` the call breaks, or None, without
