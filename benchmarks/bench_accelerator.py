@@ -305,7 +305,7 @@ def time_replay(model_mod: Any, layers: int, times: int) -> tuple[list[float], l
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer rounds (smoke test)")
     p.add_argument("--layers", type=int, nargs="+", default=[2, 6])
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 9)")

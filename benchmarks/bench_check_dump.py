@@ -163,7 +163,7 @@ def _child_cpu() -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     p.add_argument("--ranks", type=int, default=8)
     p.add_argument("--apis", type=int, default=1000)
     p.add_argument("--repeat", type=int, default=3)

@@ -66,7 +66,7 @@ KINDS = ("nothing", "stats", "recorder", "compare:1", "compare:0.1", "compare:0"
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer repeats (smoke test)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (default 1: on a shared 2-core machine the OpenMP pool's "

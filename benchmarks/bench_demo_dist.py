@@ -124,7 +124,7 @@ def _rank_main(ranks: int, steps: int) -> list[str] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     p.add_argument("--ranks", type=int, default=2, help="ranks for the FSDP settings (default 2)")
     p.add_argument("--steps", type=int, default=30, help="timed steps per series (default 30)")
     p.add_argument("--quick", action="store_true", help="5 steps per series (smoke test)")

@@ -35,7 +35,7 @@ def best_us(fn: Callable[[], Any], number: int, repeat: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer repeats (smoke test)")
     ns = p.parse_args(argv)
     number, repeat = (20, 3) if ns.quick else (300, 7)

@@ -32,7 +32,7 @@ def median_ns(fn: Callable[[], Any], number: int, repeat: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer repeats (smoke test)")
     ns = p.parse_args(argv)
     number, repeat = (200, 5) if ns.quick else (2000, 11)

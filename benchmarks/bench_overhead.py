@@ -117,7 +117,7 @@ def _jaxtyping_row(tokens: Any, idx: Any, probs: Any, number: int, repeat: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer repeats (smoke test)")
     ns = p.parse_args(argv)
     r = dict(rows(ns.quick))

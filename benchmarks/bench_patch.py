@@ -124,7 +124,7 @@ def sweep_times(total: int = 9150, runs: int = 7) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer repeats (smoke test)")
     p.add_argument("--sweeps", action="store_true",
                    help="only the module sweeps over ~9,150 loaded modules")

@@ -45,7 +45,7 @@ def one(layers: int) -> tuple[float, float, float, int, int]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     ap.add_argument("--layers", type=int, nargs="+", default=[1, 61])
     ap.add_argument("--repeat", type=int, default=2)
     ns = ap.parse_args()

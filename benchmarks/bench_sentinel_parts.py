@@ -139,7 +139,7 @@ def _pass(step: Any, steps: int, parts: tuple[str, ...],
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--batch", type=int, default=None, metavar="B",

@@ -110,7 +110,7 @@ def index_vs_files(runs: int) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer runs (smoke test)")
     p.add_argument("--modules", type=int, default=8000)
     ns = p.parse_args(argv)
