@@ -154,6 +154,21 @@ def test_calls_of_the_code_s_own_ops_are_not_counted(tmp_path: Path) -> None:
     assert data["defined_here"] == [{"file": "patterns.py", "line": 2, "op": "torch.ops.atb.linear"}]
 
 
+def test_torch_npu_names_of_atb_ops_are_the_atb_ops(tmp_path: Path) -> None:
+    """vllm-ascend calls torch_npu._npu_paged_attention: torch_npu binds ATB's op under that
+    name, so the contract on torch.ops.atb._npu_paged_attention guards it."""
+    (tmp_path / "m.py").write_text("import torch_npu\n"
+                                   "torch_npu._npu_paged_attention(query=1)\n"
+                                   "torch_npu._npu_flash_attention_unpad(query=1)\n"
+                                   "torch_npu._npu_dropout(1, 0.1)\n"
+                                   "torch_npu._npu_no_such_op(1)\n")
+    res = scan([tmp_path])
+    assert [(s.op, s.status) for s in res.sites] == [
+        ("torch_npu._npu_paged_attention", "guarded"),
+        ("torch_npu._npu_flash_attention_unpad", "guarded"),
+        ("torch_npu._npu_dropout", "guarded"), ("torch_npu._npu_no_such_op", "unknown")]
+
+
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "opcontracts", "scan", *args], cwd=cwd,
                           capture_output=True, text=True, timeout=120)

@@ -307,7 +307,12 @@ def _own(op: str) -> str:
 
 # --------------------------------------------------------------------------- which ops are guarded
 def _twins(op: str) -> tuple[str, ...]:
-    """The names one op has: ``torch_npu.X`` is ``torch.ops.npu.X``."""
+    """The names one op has: ``torch_npu.X`` is ``torch.ops.npu.X``; ``torch_npu._npu_X`` may
+    be ATB's ``torch.ops.atb._npu_X`` too (torch_npu's ``op_plugin/atb/_atb_ops.py`` binds its
+    ATB ops there: ``torch_npu._npu_paged_attention`` loads the plugin and calls the atb op)."""
+    if op.startswith("torch_npu._npu_"):
+        name = op[len("torch_npu."):]
+        return op, "torch.ops.npu." + name, "torch.ops.atb." + name
     if op.startswith("torch_npu."):
         return op, "torch.ops.npu." + op[len("torch_npu."):]
     if op.startswith("torch.ops.npu."):
