@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import opcontracts
-from opcontracts import ContractViolation
+from opcontracts import ContractViolation, patch
 
 A2 = "Ascend910B3"
 A3 = "Ascend910_9392"
@@ -187,3 +187,56 @@ def test_flash_attention_mask(soc: Any) -> None:
         passes(FA, flash(mask=mask))
     rejects(FA, flash(mask=t(torch.bool, 6, 6)), "mask")
     rejects(FA, flash(mask=t(BF16, 6)), "mask")
+
+
+# --------------------------------------------------------------------------- through the patch
+_SCHEMA = ("_npu_paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
+           "int num_kv_heads, int num_heads, float scale_value, Tensor block_table, "
+           "Tensor context_lens, Tensor(a!) out, *, Tensor? workspace=None) -> ()")
+
+
+@pytest.fixture
+def atb_plugin(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
+    """What loading torch_npu's ATB plugin does (torch.ops.load_library): define the op with
+    op-plugin's schema in the ``atb`` namespace; its kernel records the calls it gets."""
+    calls: list[Any] = []
+    libs: list[Any] = []
+
+    def load_library(path: str) -> None:
+        lib = torch.library.Library("atb", "FRAGMENT")
+        lib.define(_SCHEMA)
+        lib.impl("_npu_paged_attention", lambda *a, **k: calls.append(a),
+                 "CompositeExplicitAutograd")
+        libs.append(lib)
+
+    monkeypatch.setattr(torch.ops, "load_library", load_library, raising=False)
+    was = patch.is_applied()
+    patch.unpatch()
+    try:
+        yield calls
+    finally:
+        patch.unpatch()
+        for lib in libs:
+            lib._destroy()
+        if was:
+            patch.apply()
+
+
+def test_the_patch_guards_the_atb_op_and_torch_npus_name_for_it(soc: Any,
+                                                               atb_plugin: list[Any]) -> None:
+    """The shipped contract reaches the op the plugin loads after the patch, also through
+    torch_npu's lazy name for it (op_plugin/atb/_atb_ops.py: getattr(torch.ops.atb, name))."""
+    patch.apply()
+    torch.ops.load_library("libop_plugin_atb.so")
+
+    name = "_npu_paged_attention"
+
+    def torch_npu_name(*args: Any, **kwargs: Any) -> Any:  # torch_npu._npu_paged_attention
+        return getattr(torch.ops.atb, name)(*args, **kwargs)
+
+    with opcontracts.mode("strict"):
+        torch_npu_name(**paged())
+        assert len(atb_plugin) == 1
+        with pytest.raises(ContractViolation, match="block_table"):
+            torch_npu_name(**paged(block_table=t(I64, 4, 3)))
+    assert len(atb_plugin) == 1  # the wrong call never reached the kernel
