@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from opcontracts._tools.scan import scan, sites_in_source
+from opcontracts._tools.scan import defined_ops, scan, sites_in_source
 
 
 def _sites(src: str, **kw: object) -> list[tuple[int, str]]:
@@ -105,6 +105,68 @@ def test_a_file_that_does_not_parse_is_named_and_the_rest_scanned(tmp_path: Path
     res = scan([tmp_path])
     assert len(res.sites) == 1
     assert sorted(Path(f).name for f, _ in res.unreadable) == ["bad.py", "bin.py"]
+
+
+def test_ops_the_code_defines_itself_are_found() -> None:
+    """dlinfer's graph placeholders live in torch.ops.atb but are its own ops (custom_op)."""
+    found = defined_ops(textwrap.dedent("""
+        import torch
+        from torch.library import Library, custom_op
+        @torch._custom_op.impl.custom_op("atb::linear")
+        def linear(a, b): ...
+        @custom_op("npu::my_rope", mutates_args=())
+        def rope(x): ...
+        torch.library.define("atb::inplace_div(Tensor x, Tensor y) -> Tensor")
+        lib = Library("atb", "FRAGMENT")
+        lib.define("allreduce(Tensor x, str op) -> Tensor")
+        torch.library.custom_op("mylib::other", mutates_args=())   # not a scanned namespace
+        torch.ops.atb._npu_paged_attention(1)                       # a call, not a definition
+    """))
+    assert found == {"torch.ops.atb.linear", "torch.ops.npu.my_rope",
+                     "torch.ops.atb.inplace_div", "torch.ops.atb.allreduce"}
+
+
+def test_calls_of_the_code_s_own_ops_are_not_counted(tmp_path: Path) -> None:
+    """A definition in one file of a folder scanned covers the calls in the others; another
+    folder scanned alongside is not affected."""
+    own = tmp_path / "dlinfer"
+    own.mkdir()
+    (own / "ext_ops.py").write_text('import torch\n'
+                                    '@torch._custom_op.impl.custom_op("atb::linear")\n'
+                                    'def linear(a, b): ...\n')
+    (own / "patterns.py").write_text("import torch\n"
+                                     "torch.ops.atb.linear.default(1, 2)\n"
+                                     "torch.ops.atb._npu_paged_attention(1)\n")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "m.py").write_text("import torch\ntorch.ops.atb.linear(1, 2)\n")
+    res = scan([own, other])
+    assert [(s.file, s.op) for s in res.sites] == [
+        ("dlinfer/patterns.py", "torch.ops.atb._npu_paged_attention"),
+        ("other/m.py", "torch.ops.atb.linear")]
+    assert [(s.file, s.line, s.op) for s in res.defined_here] == [
+        ("dlinfer/patterns.py", 2, "torch.ops.atb.linear")]
+    out = _cli(str(own), cwd=tmp_path)
+    assert "1 fused-op call site(s) in 2 file(s)" in out.stdout
+    assert ("not counted: 1 call(s) of ops the code defines itself (torch.library): "
+            "torch.ops.atb.linear (1)") in out.stdout
+    data = json.loads(_cli(str(own), "--json", cwd=tmp_path).stdout)
+    assert data["defined_here"] == [{"file": "patterns.py", "line": 2, "op": "torch.ops.atb.linear"}]
+
+
+def test_torch_npu_names_of_atb_ops_are_the_atb_ops(tmp_path: Path) -> None:
+    """vllm-ascend calls torch_npu._npu_paged_attention: torch_npu binds ATB's op under that
+    name, so the contract on torch.ops.atb._npu_paged_attention guards it."""
+    (tmp_path / "m.py").write_text("import torch_npu\n"
+                                   "torch_npu._npu_paged_attention(query=1)\n"
+                                   "torch_npu._npu_flash_attention_unpad(query=1)\n"
+                                   "torch_npu._npu_dropout(1, 0.1)\n"
+                                   "torch_npu._npu_no_such_op(1)\n")
+    res = scan([tmp_path])
+    assert [(s.op, s.status) for s in res.sites] == [
+        ("torch_npu._npu_paged_attention", "guarded"),
+        ("torch_npu._npu_flash_attention_unpad", "guarded"),
+        ("torch_npu._npu_dropout", "guarded"), ("torch_npu._npu_no_such_op", "unknown")]
 
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:

@@ -12,6 +12,11 @@ it in its file, flow-insensitively (a scanner, not an interpreter):
   relatively (a file's package is found from its folders' ``__init__.py``);
 - ``torch.ops.atb.<op>`` (ATB's namespace).
 
+An op the scanned code defines itself in one of those namespaces (``torch.library.custom_op(
+"atb::linear")``, ``torch._custom_op.impl.custom_op``, ``torch.library.define``, a
+``Library("atb", ...)``'s ``define``: dlinfer's graph placeholders) is not torch_npu's: its
+calls are listed apart (``ScanResult.defined_here``) and not counted as fused-op call sites.
+
 A call site is *guarded* when a shipped contract that targets its op (``torch_npu.X`` and
 ``torch.ops.npu.X`` are one op) applies, or may apply, on the stacks judged: the declared
 targets (``--targets``, ``OPCONTRACTS_TARGETS``, ``[tool.opcontracts]``), else this
@@ -33,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Site", "ScanResult", "add_parser", "scan", "sites_in_source"]
+__all__ = ["Site", "ScanResult", "add_parser", "defined_ops", "scan", "sites_in_source"]
 
 # namespaces whose members are fused ops; for torch_npu, only names that start with these
 _TORCH_NPU_PREFIXES = ("npu_", "_npu_")
@@ -65,6 +70,8 @@ class ScanResult:
     unreadable: list[tuple[str, str]] = field(default_factory=list)
     judged_on: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    defined_here: list[Site] = field(default_factory=list)
+    """calls of ops the scanned code defines itself (``torch.library``): not counted"""
 
     @property
     def guarded(self) -> int:
@@ -241,9 +248,71 @@ def sites_in_source(source: str, filename: str = "<source>", module: str | None 
     return out
 
 
+_DEFINERS = ("custom_op", "define", "triton_op")
+"""callees whose first argument names a new op ``ns::name`` (``torch.library.custom_op``,
+``torch._custom_op.impl.custom_op``, ``torch.library.define``, ``triton_op``)"""
+
+
+def _qualname(node: ast.Call) -> str | None:
+    arg: ast.expr | None = node.args[0] if node.args else None
+    if arg is None:
+        arg = next((k.value for k in node.keywords if k.arg in ("qualname", "name")), None)
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        return arg.value
+    return None
+
+
+def defined_ops(source: str, filename: str = "<source>") -> set[str]:
+    """The ``torch.ops.<ns>.<name>`` of ops ``source`` defines itself in a scanned namespace:
+    ``custom_op("atb::linear")`` and kin, and ``lib.define("name(...) -> ...")`` on a
+    ``lib = Library("atb", ...)`` of the same file (``SyntaxError`` when it does not parse)."""
+    tree = ast.parse(source, filename=filename)
+    libraries: dict[str, str] = {}  # a name bound to Library("ns", ...) -> ns
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+                and (_dotted(node.value.func) or [""])[-1] == "Library"):
+            ns = _qualname(node.value)
+            for target in node.targets:
+                if ns and isinstance(target, ast.Name):
+                    libraries[target.id] = ns
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        parts = _dotted(node.func)
+        if not parts or parts[-1] not in _DEFINERS:
+            continue
+        text = _qualname(node)
+        if text is None:
+            continue
+        if "::" in text:
+            ns, _, name = text.partition("::")
+        elif parts[-1] == "define" and len(parts) == 2 and parts[0] in libraries:
+            ns, name = libraries[parts[0]], text
+        else:
+            continue
+        name = name.split("(", 1)[0].split(".", 1)[0].strip()
+        qualified = f"torch.ops.{ns.strip()}"
+        if qualified in _OPS_NAMESPACES and name.isidentifier():
+            out.add(f"{qualified}.{name}")
+    return out
+
+
+def _own(op: str) -> str:
+    """The ``torch.ops`` name a site's op has, to match the definitions against."""
+    if op.startswith("torch_npu."):
+        return "torch.ops.npu." + op[len("torch_npu."):]
+    return op
+
+
 # --------------------------------------------------------------------------- which ops are guarded
 def _twins(op: str) -> tuple[str, ...]:
-    """The names one op has: ``torch_npu.X`` is ``torch.ops.npu.X``."""
+    """The names one op has: ``torch_npu.X`` is ``torch.ops.npu.X``; ``torch_npu._npu_X`` may
+    be ATB's ``torch.ops.atb._npu_X`` too (torch_npu's ``op_plugin/atb/_atb_ops.py`` binds its
+    ATB ops there: ``torch_npu._npu_paged_attention`` loads the plugin and calls the atb op)."""
+    if op.startswith("torch_npu._npu_"):
+        name = op[len("torch_npu."):]
+        return op, "torch.ops.npu." + name, "torch.ops.atb." + name
     if op.startswith("torch_npu."):
         return op, "torch.ops.npu." + op[len("torch_npu."):]
     if op.startswith("torch.ops.npu."):
@@ -322,9 +391,12 @@ def scan(paths: Iterable[str | os.PathLike[str]], *, targets: Sequence[str] | No
     sites: list[Site] = []
     unreadable: list[tuple[str, str]] = []
     nfiles = 0
+    defined_here: list[Site] = []
     for root in roots:
         if not root.exists():
             raise FileNotFoundError(2, "No such file or directory", str(root))
+        root_sites: list[Site] = []
+        defined: set[str] = set()  # ops this root's code defines itself, in any of its files
         for f in _files(root, skip_tests, exclude):
             nfiles += 1
             shown = str(f.relative_to(root)) if root.is_dir() else str(f)
@@ -332,14 +404,21 @@ def scan(paths: Iterable[str | os.PathLike[str]], *, targets: Sequence[str] | No
                 source = f.read_text(encoding="utf-8")
                 module, is_package = _module_name(f)
                 found = sites_in_source(source, str(f), module, is_package, known)
+                if "torch.ops" in source or "Library" in source or "::" in source:
+                    defined |= defined_ops(source, str(f))
             except (OSError, UnicodeDecodeError, SyntaxError, ValueError, RecursionError) as exc:
                 unreadable.append((str(f), type(exc).__name__ + (f": {exc}" if str(exc) else "")))
                 continue
             if len(roots) > 1 and root.is_dir():
                 shown = str(Path(root.name) / shown)
-            sites.extend(Site(shown, line, op, _status(op, guards)) for line, op in found)
+            root_sites.extend(Site(shown, line, op, _status(op, guards)) for line, op in found)
+        for s in root_sites:
+            if _own(s.op) in defined:
+                defined_here.append(Site(s.file, s.line, s.op, "defined here"))
+            else:
+                sites.append(s)
     return ScanResult([str(r) for r in roots], nfiles, sites, unreadable,
-                      [label for label, _ in stacks], time.perf_counter() - start)
+                      [label for label, _ in stacks], time.perf_counter() - start, defined_here)
 
 
 # --------------------------------------------------------------------------- the command
@@ -357,6 +436,11 @@ def _text(res: ScanResult, show_sites: bool, depth: int) -> str:
     lines = [f"{n} fused-op call site(s) in {res.files} file(s); {res.guarded} guarded "
              f"({_pct(res.guarded, n)}), {n - res.guarded} not ({res.seconds:.1f} s)",
              f"judged on: {'; '.join(res.judged_on)}"]
+    if res.defined_here:
+        own = Counter(s.op for s in res.defined_here)
+        lines.append(f"not counted: {len(res.defined_here)} call(s) of ops the code defines "
+                     "itself (torch.library): "
+                     + ", ".join(f"{op} ({n})" for op, n in own.most_common()))
     ops = res.by_op()
     where: dict[str, list[Site]] = defaultdict(list)
     for s in res.sites:
@@ -398,6 +482,7 @@ def _json(res: ScanResult, depth: int) -> dict[str, Any]:
         "sites": [{"file": s.file, "line": s.line, "op": s.op, "status": s.status}
                   for s in res.sites],
         "unreadable": [{"file": f, "error": why} for f, why in res.unreadable],
+        "defined_here": [{"file": s.file, "line": s.line, "op": s.op} for s in res.defined_here],
     }
 
 

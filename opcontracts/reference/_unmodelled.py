@@ -16,6 +16,10 @@ from types import MappingProxyType
 
 __all__ = ["UNMODELLED"]
 
+_ATB_ATTENTION = ("ATB's plugin op (torch.ops.atb), for which the emulation registers no "
+                  "kernel: it stands in for torch_npu's npu namespace only; and the op returns "
+                  "nothing (it writes `out` in place), which the compare and the probe "
+                  "(outputs only) cannot judge")
 _MC2 = ("a collective over the group named by hcom: the output is this rank's share of a "
         "result the other ranks' data decide, and the op takes no rank id, so no single-process "
         "reference knows which share")
@@ -70,6 +74,10 @@ UNMODELLED: Mapping[str, str] = MappingProxyType({
                                   "not for ATB's plugin (torch.ops.atb); and the op returns "
                                   "nothing (it writes the caches in place), which the compare "
                                   "and the probe (outputs only) cannot judge",
+    "atb._npu_paged_attention": _ATB_ATTENTION,
+    "atb._npu_paged_attention_mla": _ATB_ATTENTION,
+    "atb._npu_flash_attention": _ATB_ATTENTION,
+    "atb._npu_flash_attention_unpad": _ATB_ATTENTION,
     "fla_npu.npu_recompute_w_u_fwd": _FLA,
     "fla_npu.npu_chunk_gated_delta_rule_fwd_h": _FLA,
     "fla_npu.npu_chunk_fwd_o": _FLA,
