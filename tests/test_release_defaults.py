@@ -84,3 +84,18 @@ def test_merged_contracts_allow_only_the_values_both_allow() -> None:
     assert merge_contracts([b, a]).args["mode"].allowed == (0, -1)
     c = Contract("op", {"mode": Arg(allowed=[5], optional=True)})
     assert merge_contracts([a, c]).args["mode"].allowed == (5,)  # disjoint: the narrower one
+
+
+@pytest.mark.parametrize("release", ["2.5.1", "2.10.0.post4"])
+def test_a_call_with_out_tensors_binds_to_the_release_schema(release: str) -> None:
+    """torch_npu's Python binding takes the out overload's tensors as ``out=(var, m, v)``
+    (DeepSpeed's NPU fused Adam): ``check`` binds that call instead of failing with a
+    TypeError, and the out overload's own names bind too."""
+    names = [p.name for p in params_for(("torch.ops.npu.npu_apply_adam",), release) or []]
+    assert names[-4:] == ["var", "m", "v", "out"]
+    grad, state = torch.randn(8), [torch.randn(8), torch.zeros(8), torch.zeros(8)]
+    with _stack(torch_npu=release, soc="Ascend910B3"):
+        opcontracts.check("npu_apply_adam", 0.9, 0.999, 1e-3, 0.9, 0.999, 1e-8, grad,
+                          False, False, out=tuple(state))
+        opcontracts.check("npu_apply_adam", 0.9, 0.999, 1e-3, 0.9, 0.999, 1e-8, grad,
+                          False, False, var=state[0], m=state[1], v=state[2])

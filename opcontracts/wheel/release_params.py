@@ -46,6 +46,13 @@ def _params(release: str, op: str) -> tuple[Param, ...] | None:
         has, value = _default(p.default)
         out.append(Param(p.name, "KEYWORD_ONLY" if p.kw_only else "POSITIONAL_OR_KEYWORD",
                          value, has))
+    out_overload = next((s for s in found[1:] if s.overload == "out"), None)
+    if out_overload is not None:  # a call with the out tensors binds too, as the guard binds it
+        have = {p.name for p in out}
+        out += [Param(p.name, "KEYWORD_ONLY", None, True)
+                for p in out_overload.params if p.name not in have]
+        if "out" not in have:  # torch_npu's Python binding takes them as one out=(...) tuple
+            out.append(Param("out", "KEYWORD_ONLY", None, True))
     return tuple(out)
 
 
