@@ -74,5 +74,9 @@ UNMODELLED: Mapping[str, str] = MappingProxyType({
     "fla_npu.npu_chunk_gated_delta_rule_fwd_h": _FLA,
     "fla_npu.npu_chunk_fwd_o": _FLA,
     "fla_npu.npu_chunk_bwd_dv_local": _FLA,
+    "fla_npu.npu_chunk_gated_delta_rule_bwd_dhu": _FLA,
+    "fla_npu.npu_chunk_bwd_dqkwg": _FLA,
+    "fla_npu.npu_prepare_wy_repr_bwd_da": _FLA,
+    "fla_npu.npu_prepare_wy_repr_bwd_full": _FLA,
 })
 """op name (as contracts name it) -> why it has no reference."""
