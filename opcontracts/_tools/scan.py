@@ -33,12 +33,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Site", "ScanResult", "add_parser", "scan", "sites_in_source"]
+__all__ = ["NOT_OPS", "Site", "ScanResult", "add_parser", "scan", "sites_in_source"]
 
 # namespaces whose members are fused ops; for torch_npu, only names that start with these
 _TORCH_NPU_PREFIXES = ("npu_", "_npu_")
 _OPS_NAMESPACES = ("torch.ops.npu", "torch.ops.atb")
 _MINDSPEED_OPS = "mindspeed.ops."
+# MindSpeed functions named like op wrappers that launch no kernel: listed apart, never counted
+# as call sites (a contract for them would guard nothing); the reason is shown with them
+NOT_OPS: dict[str, str] = {
+    "mindspeed.ops.gmm.npu_gmm_param_verification": (
+        "a pure-Python argument check (types, group_list's rank and dtype, one device) that "
+        "MindSpeed's gmm wrappers run before their kernel; it launches none"),
+}
 _SKIP_DIRS = {".git", "__pycache__", "node_modules", ".tox", ".venv", "venv", "build", "dist",
               "site-packages", ".eggs"}
 
@@ -65,6 +72,8 @@ class ScanResult:
     unreadable: list[tuple[str, str]] = field(default_factory=list)
     judged_on: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    not_ops: list[Site] = field(default_factory=list)
+    """calls of functions named like ops that launch no kernel (``NOT_OPS``): not in ``sites``"""
 
     @property
     def guarded(self) -> int:
@@ -320,6 +329,7 @@ def scan(paths: Iterable[str | os.PathLike[str]], *, targets: Sequence[str] | No
     known = frozenset(guards)
     roots = [Path(p) for p in paths]
     sites: list[Site] = []
+    not_ops: list[Site] = []
     unreadable: list[tuple[str, str]] = []
     nfiles = 0
     for root in roots:
@@ -337,9 +347,13 @@ def scan(paths: Iterable[str | os.PathLike[str]], *, targets: Sequence[str] | No
                 continue
             if len(roots) > 1 and root.is_dir():
                 shown = str(Path(root.name) / shown)
-            sites.extend(Site(shown, line, op, _status(op, guards)) for line, op in found)
+            for line, op in found:
+                if op in NOT_OPS:
+                    not_ops.append(Site(shown, line, op, "not an op"))
+                else:
+                    sites.append(Site(shown, line, op, _status(op, guards)))
     return ScanResult([str(r) for r in roots], nfiles, sites, unreadable,
-                      [label for label, _ in stacks], time.perf_counter() - start)
+                      [label for label, _ in stacks], time.perf_counter() - start, not_ops)
 
 
 # --------------------------------------------------------------------------- the command
@@ -379,6 +393,12 @@ def _text(res: ScanResult, show_sites: bool, depth: int) -> str:
         lines += ["", "by folder (sites, guarded):"]
         width = max(len(k) for k in folders)
         lines += [f"  {k:<{width}}  {t:>4}  {g:>4}  {_pct(g, t)}" for k, (t, g) in folders.items()]
+    if res.not_ops:
+        lines += ["", "named like an op, not one (no kernel; not counted above):"]
+        counts = Counter(s.op for s in res.not_ops)
+        width = max(len(op) for op in counts)
+        for op, count in counts.most_common():
+            lines.append(f"  {op:<{width}}  {count:>4}  {NOT_OPS[op]}")
     if show_sites:
         lines += ["", "every site:"]
         lines += [f"  {s.file}:{s.line}  {s.op}  {s.status}" for s in res.sites]
@@ -398,6 +418,8 @@ def _json(res: ScanResult, depth: int) -> dict[str, Any]:
         "sites": [{"file": s.file, "line": s.line, "op": s.op, "status": s.status}
                   for s in res.sites],
         "unreadable": [{"file": f, "error": why} for f, why in res.unreadable],
+        "not_ops": [{"file": s.file, "line": s.line, "op": s.op, "why": NOT_OPS[s.op]}
+                    for s in res.not_ops],
     }
 
 
