@@ -43,6 +43,16 @@ UNMODELLED: Mapping[str, str] = MappingProxyType({
     "mindspeed.npu_apply_fused_ema_adamw": "updates param, exp_avg, exp_avg_sq and the EMA copy "
                                            "in place; the emulation has no MindSpeed stand-in "
                                            "for it",
+    "mindspeed.npu_alltoall_allgather_bmm": "an AllToAll over the expert-parallel group and an "
+                                            "AllGather over the tensor-parallel group, both named "
+                                            "by hcomm strings, before the matmul: the output "
+                                            "holds other ranks' tokens, and the op takes no rank "
+                                            "id, so no single-process reference knows them",
+    "mindspeed.npu_bmm_reducescatter_alltoall": "a ReduceScatter over the tensor-parallel group "
+                                                "and an AllToAll over the expert-parallel group "
+                                                "after the matmul: this rank's output sums and "
+                                                "gathers other ranks' products, and the op takes "
+                                                "no rank id",
     "npu_mm_reduce_scatter_base": _MC2,
     "npu_mm_all_reduce_base": _MC2 + "; it does not even take the world size",
     "npu_quant_mm_reduce_scatter": _MC2 + "; its fp8 / hifloat8 / MX modes are Ascend 950's",
