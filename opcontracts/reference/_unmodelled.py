@@ -65,6 +65,13 @@ UNMODELLED: Mapping[str, str] = MappingProxyType({
                                       "contents",
     "npu_moe_distribute_combine_v2": "consumes dispatch_v2's assist_info_for_combine, whose "
                                      "contents the doc does not define",
+    "npu_add_quant_matmul_": "fp8 / hifloat8 / MX matmul accumulated in place (Ascend 950): "
+                             "no wheel documents it, and op-plugin's doc gives no rounding for "
+                             "the float8_e8m0 scale modes",
+    "npu_grouped_matmul_add_": "the in-place form of npu_grouped_matmul_add (whose reference is "
+                               "shipped): the emulation has no in-place overload, and the "
+                               "compare and the probe would judge an output the call computes "
+                               "from an input it overwrites",
     "npu_add_quant_gmm_": "fp8 / hifloat8 / MX grouped matmul accumulated in place (Ascend "
                           "950): the doc gives no rounding for the float8_e8m0 scale modes",
     "npu_grouped_dynamic_mx_quant": "the doc's group_index (start indices) and MindSpeed's "
