@@ -75,6 +75,32 @@ def test_mindspeed_wrappers_absolute_and_relative(tmp_path: Path) -> None:
                    ("mindspeed.ops.npu_moe_token_unpermute.npu_moe_token_unpermute", "guarded")]
 
 
+def test_a_check_named_like_an_op_is_listed_apart_not_counted(tmp_path: Path) -> None:
+    """MindSpeed's npu_gmm_param_verification checks arguments in Python and launches no
+    kernel: no contract could guard anything there, so it is neither a site nor unguarded."""
+    pkg = tmp_path / "mindspeed" / "ops"
+    pkg.mkdir(parents=True)
+    (tmp_path / "mindspeed" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "quant_gmm.py").write_text(textwrap.dedent("""
+        from mindspeed.ops import gmm
+        def f(x, w):
+            gmm.npu_gmm_param_verification(x, w, bias=None, group_list=None)
+            return gmm.npu_gmm(x, w)
+    """))
+    res = scan([tmp_path])
+    assert [(s.op, s.status) for s in res.sites] == [("mindspeed.ops.gmm.npu_gmm", "guarded")]
+    assert [(s.file, s.line, s.op) for s in res.not_ops] == [
+        (str(Path("mindspeed/ops/quant_gmm.py")), 4,
+         "mindspeed.ops.gmm.npu_gmm_param_verification")]
+    out = _cli(".", cwd=tmp_path)
+    assert "1 fused-op call site(s) in 3 file(s); 1 guarded (100%)" in out.stdout
+    assert "named like an op, not one" in out.stdout and "launches none" in out.stdout
+    data = json.loads(_cli(".", "--json", cwd=tmp_path).stdout)
+    assert data["totals"]["sites"] == 1
+    assert [d["op"] for d in data["not_ops"]] == ["mindspeed.ops.gmm.npu_gmm_param_verification"]
+
+
 def test_guarded_depends_on_the_stacks_judged(tmp_path: Path) -> None:
     # permute/unpermute are absent before torch_npu 2.7.1: their contracts name later releases
     (tmp_path / "m.py").write_text("import torch_npu\ntorch_npu.npu_moe_token_unpermute(1, 2)\n"

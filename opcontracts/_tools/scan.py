@@ -38,12 +38,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Site", "ScanResult", "add_parser", "defined_ops", "scan", "sites_in_source"]
+__all__ = ["NOT_OPS", "Site", "ScanResult", "add_parser", "defined_ops", "scan",
+           "sites_in_source"]
 
 # namespaces whose members are fused ops; for torch_npu, only names that start with these
 _TORCH_NPU_PREFIXES = ("npu_", "_npu_")
 _OPS_NAMESPACES = ("torch.ops.npu", "torch.ops.atb")
 _MINDSPEED_OPS = "mindspeed.ops."
+# MindSpeed functions named like op wrappers that launch no kernel: listed apart, never counted
+# as call sites (a contract for them would guard nothing); the reason is shown with them
+NOT_OPS: dict[str, str] = {
+    "mindspeed.ops.gmm.npu_gmm_param_verification": (
+        "a pure-Python argument check (types, group_list's rank and dtype, one device) that "
+        "MindSpeed's gmm wrappers run before their kernel; it launches none"),
+}
 _SKIP_DIRS = {".git", "__pycache__", "node_modules", ".tox", ".venv", "venv", "build", "dist",
               "site-packages", ".eggs"}
 
@@ -72,6 +80,8 @@ class ScanResult:
     seconds: float = 0.0
     defined_here: list[Site] = field(default_factory=list)
     """calls of ops the scanned code defines itself (``torch.library``): not counted"""
+    not_ops: list[Site] = field(default_factory=list)
+    """calls of functions named like ops that launch no kernel (``NOT_OPS``): not in ``sites``"""
 
     @property
     def guarded(self) -> int:
@@ -389,6 +399,7 @@ def scan(paths: Iterable[str | os.PathLike[str]], *, targets: Sequence[str] | No
     known = frozenset(guards)
     roots = [Path(p) for p in paths]
     sites: list[Site] = []
+    not_ops: list[Site] = []
     unreadable: list[tuple[str, str]] = []
     nfiles = 0
     defined_here: list[Site] = []
@@ -411,14 +422,19 @@ def scan(paths: Iterable[str | os.PathLike[str]], *, targets: Sequence[str] | No
                 continue
             if len(roots) > 1 and root.is_dir():
                 shown = str(Path(root.name) / shown)
-            root_sites.extend(Site(shown, line, op, _status(op, guards)) for line, op in found)
+            for line, op in found:
+                if op in NOT_OPS:
+                    not_ops.append(Site(shown, line, op, "not an op"))
+                else:
+                    root_sites.append(Site(shown, line, op, _status(op, guards)))
         for s in root_sites:
             if _own(s.op) in defined:
                 defined_here.append(Site(s.file, s.line, s.op, "defined here"))
             else:
                 sites.append(s)
     return ScanResult([str(r) for r in roots], nfiles, sites, unreadable,
-                      [label for label, _ in stacks], time.perf_counter() - start, defined_here)
+                      [label for label, _ in stacks], time.perf_counter() - start,
+                      defined_here=defined_here, not_ops=not_ops)
 
 
 # --------------------------------------------------------------------------- the command
@@ -463,6 +479,12 @@ def _text(res: ScanResult, show_sites: bool, depth: int) -> str:
         lines += ["", "by folder (sites, guarded):"]
         width = max(len(k) for k in folders)
         lines += [f"  {k:<{width}}  {t:>4}  {g:>4}  {_pct(g, t)}" for k, (t, g) in folders.items()]
+    if res.not_ops:
+        lines += ["", "named like an op, not one (no kernel; not counted above):"]
+        counts = Counter(s.op for s in res.not_ops)
+        width = max(len(op) for op in counts)
+        for op, count in counts.most_common():
+            lines.append(f"  {op:<{width}}  {count:>4}  {NOT_OPS[op]}")
     if show_sites:
         lines += ["", "every site:"]
         lines += [f"  {s.file}:{s.line}  {s.op}  {s.status}" for s in res.sites]
@@ -483,6 +505,8 @@ def _json(res: ScanResult, depth: int) -> dict[str, Any]:
                   for s in res.sites],
         "unreadable": [{"file": f, "error": why} for f, why in res.unreadable],
         "defined_here": [{"file": s.file, "line": s.line, "op": s.op} for s in res.defined_here],
+        "not_ops": [{"file": s.file, "line": s.line, "op": s.op, "why": NOT_OPS[s.op]}
+                    for s in res.not_ops],
     }
 
 
