@@ -232,22 +232,27 @@ class StepCheck:
                               for i in bad]).tolist()
             bad = [i for i, fine in zip(bad, ok) if not fine]
         v.nonfinite_count = len(bad)
-        v.nonfinite = [_name(self._what(opt, tensors[i], loss), tensors[i]) for i in bad[:8]]
+        v.nonfinite = [_name(self._what(opt, i, loss is not None and i == len(tensors) - 1),
+                             tensors[i]) for i in bad[:8]]
         v.finite = not bad and not ranks_bad
         return v
 
     @staticmethod
-    def _what(opt: Any, t: torch.Tensor, loss: torch.Tensor | None) -> Any:
-        """(parameter names of its group or None, index in the group) of the gradient ``t``,
-        or "loss"."""
-        if t is loss:
+    def _what(opt: Any, index: int, is_loss: bool) -> Any:
+        """(parameter names of its group or None, index in the group, the parameter) of the
+        ``index``-th tensor ``check`` judged, or "loss": the parameters are walked in the
+        order ``check`` gathered their gradients (a ``DTensor`` gradient's local shard is a
+        new tensor at every ``to_local()``: it is found by position, not by identity)."""
+        if is_loss:
             return "loss"
+        n = 0
         for group in opt.param_groups:
             for i, p in enumerate(group["params"]):
                 g = p.grad
-                if g is t or (g is not None and hasattr(g, "to_local")
-                              and g.to_local() is t):
-                    return group.get("param_names"), i, p
+                if g is not None and g.layout is _strided:
+                    if n == index:
+                        return group.get("param_names"), i, p
+                    n += 1
         return None, -1, None
 
 
