@@ -44,6 +44,14 @@ larger tensors: what is per call shrinks relative to the step).
 probs to the bf16-only unpermute) under ``always-on replay``: the seconds the replay took
 (``StepFinding.replay_s``, the watch's read included), as a ratio to the bare step, N times.
 
+``--decompose N`` splits the always-on step check's cost, inside the real step: N pairs each
+(as ``--paired``) of a step with stand-in optimizer hooks and a step without, the stand-ins
+doing ever more of what the check does (``time_parts``): hooks that return at once; the
+gradients gathered; their ``_foreach_norm``; the norms stacked; the stack read (the check's
+device work, all of it); the check itself (``StepCheck``: the verdict, the sentinel's own
+bookkeeping).  What a row adds to the one above is what that part costs in a training step,
+where a tight loop over the part alone (warm caches, no allocator churn) shows less.
+
 ``--paired N`` adds, per observer, N pairs of back-to-back steps, one observed and one with the
 observer switched off at the layer's dispatch (``time_paired``): the median and quartiles of
 the pairs' wall-time ratios, a figure whose spread is a few percent on a machine whose rounds
@@ -280,6 +288,91 @@ def time_paired(step: Step, kind: str, pairs: int,
     return spans
 
 
+PARTS = ("hooks", "gather", "+ norm", "+ stack", "+ read", "the check")
+
+
+def _part(upto: int) -> Callable[[Any, Any, Any], None]:
+    """A step pre-hook doing the first ``upto`` of the check's parts (``PARTS``)."""
+    tensor, strided = torch.Tensor, torch.strided
+
+    def pre(opt: Any, _a: Any, _k: Any) -> None:
+        if upto < 2:
+            return
+        gs = [g if type(g) is tensor else g for group in opt.param_groups
+              for p in group["params"] if (g := p.grad) is not None and g.layout is strided]
+        if upto < 3:
+            return
+        norms = torch._foreach_norm(gs, 2)
+        if upto < 4:
+            return
+        stacked = torch.stack(norms)
+        if upto < 5:
+            return
+        stacked.tolist()
+    return pre
+
+
+class _StandIn:
+    """Global optimizer hooks switched on and off: the stand-in doing the parts of the check
+    up to ``upto`` (``_part``), or, with ``check``, the sentinel's own ``StepCheck``."""
+
+    def __init__(self, upto: int, check: Any = None) -> None:
+        self.pre = _part(upto)
+        self.check = check
+        self.handles: list[Any] = []
+
+    def on(self) -> None:
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
+
+        if self.check is not None:
+            self.check.attach()
+            return
+        self.handles = [register_optimizer_step_pre_hook(self.pre),
+                        register_optimizer_step_post_hook(lambda *_: None)]
+
+    def off(self) -> None:
+        if self.check is not None:
+            self.check.remove()
+        while self.handles:
+            self.handles.pop().remove()
+
+
+def time_parts(step: Step, pairs: int, clock: Callable[[], float] = time.perf_counter
+               ) -> dict[str, list[tuple[float, float]]]:
+    """Per part of ``PARTS``: ``pairs`` pairs (observed, bare) of consecutive steps, as
+    ``time_paired`` times them; the observed step runs with stand-in global optimizer hooks
+    doing the parts up to that one (the last: the always-on sentinel's own check)."""
+    from opcontracts.nan import NanSentinel
+
+    out: dict[str, list[tuple[float, float]]] = {}
+    for i, name in enumerate(PARTS, start=1):
+        sentinel = NanSentinel(always_on=True, on_nan="record") if name == "the check" else None
+        hooks = _StandIn(i, sentinel.enable()._check if sentinel is not None else None)
+        hooks.off()
+        spans = []
+        try:
+            for j in range(pairs + 3):
+                pair = {}
+                for which in ((False, True) if j % 2 else (True, False)):
+                    if which:
+                        hooks.on()
+                    t0 = clock()
+                    step()
+                    pair[which] = clock() - t0
+                    hooks.off()
+                if j >= 3:  # the first three warm up
+                    spans.append((pair[True], pair[False]))
+        finally:
+            hooks.off()
+            if sentinel is not None:
+                sentinel.disable()
+        out[name] = spans
+    return out
+
+
 def time_replay(model_mod: Any, layers: int, times: int) -> tuple[list[float], list[float]]:
     """(replay seconds, bare step seconds) of the incident's bad step, ``times`` each: a fresh
     always-on sentinel per bad step, the step run through ``run_step``, contracts off."""
@@ -314,6 +407,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--paired", type=int, default=0, metavar="N",
                    help="also N step pairs per observer, bare and observed back to back "
                         "(wall time; median and quartiles of the pairs' ratios)")
+    p.add_argument("--decompose", type=int, default=0, metavar="N",
+                   help="also split the always-on step check's cost inside the real step: N "
+                        "pairs per part (hooks, gather, norm, stack, read, the check)")
     p.add_argument("--replay", type=int, default=0, metavar="N",
                    help="also time the replay of the incident's bad step, N times")
     p.add_argument("--batch", type=int, default=None, metavar="B",
@@ -369,6 +465,15 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{layers:6d} {kind:20s} paired x {statistics.median(r):.4f} "
                           f"(quartiles {q1:.3f}-{q3:.3f}, {len(r)} pairs, {clock_name}), "
                           f"{extra * 1e6:+.0f} us a step{tail}")
+            if ns.decompose:
+                before = 0.0
+                for name, spans in time_parts(step, ns.decompose, clock=clock).items():
+                    extra = statistics.median(o - b for o, b in spans)
+                    r = statistics.median(o / b for o, b in spans)
+                    print(f"{layers:6d} check part {name:10s} paired x {r:.4f}, "
+                          f"{extra * 1e6:+.0f} us a step ({(extra - before) * 1e6:+.0f} us "
+                          f"over the row above; {len(spans)} pairs, {clock_name})")
+                    before = extra
             if ns.replay:
                 rep, bare_s = time_replay(model_mod, layers, ns.replay)
                 print(f"{layers:6d} replay of a bad step: {statistics.median(rep) * 1e3:.1f} ms "

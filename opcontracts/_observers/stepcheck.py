@@ -41,6 +41,16 @@ import torch
 __all__ = ["StepCheck", "StepVerdict", "screen"]
 
 _strided = torch.strided
+_Tensor = torch.Tensor
+
+
+def _local(g: torch.Tensor) -> torch.Tensor:
+    """A gradient that is not a plain tensor: its local shard when it is a ``DTensor``
+    (FSDP2), else itself (a ``Parameter``, another subclass)."""
+    dt = sys.modules.get("torch.distributed.tensor")
+    if dt is not None and isinstance(g, dt.DTensor):
+        return g.to_local()  # type: ignore[no-any-return]
+    return g
 
 
 @dataclass
@@ -64,28 +74,51 @@ def _world() -> int:
 
 
 def screen(tensors: list[torch.Tensor], sync: bool = False) -> tuple[list[float], int]:
-    """The 2-norm of each tensor (non-finite exactly when the tensor holds a NaN or an
-    infinity, or its squares overflow) and, with ``sync``, how many ranks have a non-finite
-    one, in ONE host read per device (one in the usual case: everything on one device)."""
+    """The 2-norm of each tensor, in the tensors' order (non-finite exactly when the tensor
+    holds a NaN or an infinity, or its squares overflow) and, with ``sync``, how many ranks
+    have a non-finite one, in ONE host read per device (one in the usual case: everything on
+    one device).
+
+    The usual case pays two ops and no Python loop over the tensors: the tensors' devices are
+    not looked at (``t.device`` makes an object a tensor) unless the norms cannot be stacked,
+    which is how several devices show (``torch.stack`` refuses tensors of two devices)."""
     if not tensors:
         return [], 0
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_device.setdefault(t.device, []).append(t)
-    if len(by_device) == 1:
+    order: list[int] | None = None
+    try:
         norms = torch.stack(torch._foreach_norm(tensors, 2))
-    else:  # several devices: each device's norms, brought to the first one's
-        first = next(iter(by_device))
-        norms = torch.cat([torch.stack(torch._foreach_norm(ts, 2)).to(first)
-                           for ts in by_device.values()])
+    except RuntimeError:  # several devices: each device's norms, brought to the first one's
+        norms, order = _by_device(tensors)
     if not sync:
-        return norms.tolist(), 0  # the one read
+        return _ordered(norms.tolist(), order), 0  # the one read
     import torch.distributed as dist
 
     bad = (~torch.isfinite(norms)).any().to(torch.float32).reshape(1)
     dist.all_reduce(bad)  # every rank judges the step alike
     numbers = torch.cat([norms.to(torch.float32), bad]).tolist()  # the one read
-    return numbers[:-1], int(numbers[-1])
+    return _ordered(numbers[:-1], order), int(numbers[-1])
+
+
+def _by_device(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+    """The norms of tensors on several devices, one multi-tensor reduction per device, on the
+    first device, and where each tensor's norm is among them."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    first = next(iter(by_device))
+    norms = torch.cat([torch.stack(torch._foreach_norm([tensors[i] for i in idx], 2)).to(first)
+                       for idx in by_device.values()])
+    return norms, [i for idx in by_device.values() for i in idx]
+
+
+def _ordered(numbers: list[float], order: list[int] | None) -> list[float]:
+    """``numbers`` (in the order ``order`` gives the tensors) in the tensors' own order."""
+    if order is None:
+        return numbers
+    out = [0.0] * len(numbers)
+    for n, i in zip(numbers, order):
+        out[i] = n
+    return out
 
 
 class StepCheck:
@@ -180,14 +213,12 @@ class StepCheck:
     def check(self, opt: Any) -> StepVerdict:
         """Judge the gradients of ``opt``'s parameters (and the loss handed over): one host
         read; more on a step found non-finite (which tensors).  The hot path of the
-        always-on sentinel, once a step: per parameter one attribute read and a test; the
-        DTensor test only when torch.distributed.tensor is loaded; names made only on a bad
-        step."""
-        tensors = [g for group in opt.param_groups for p in group["params"]
+        always-on sentinel, once a step: per parameter one attribute read and two tests (the
+        layout, and whether the gradient is a plain tensor: a ``DTensor`` is not); names
+        made only on a bad step."""
+        tensors = [g if type(g) is _Tensor else _local(g)
+                   for group in opt.param_groups for p in group["params"]
                    if (g := p.grad) is not None and g.layout is _strided]
-        dt = sys.modules.get("torch.distributed.tensor")
-        if dt is not None:
-            tensors = [g.to_local() if isinstance(g, dt.DTensor) else g for g in tensors]
         loss, self._loss = self._loss, None
         if loss is not None:
             tensors.append(loss)
@@ -201,22 +232,27 @@ class StepCheck:
                               for i in bad]).tolist()
             bad = [i for i, fine in zip(bad, ok) if not fine]
         v.nonfinite_count = len(bad)
-        v.nonfinite = [_name(self._what(opt, tensors[i], loss), tensors[i]) for i in bad[:8]]
+        v.nonfinite = [_name(self._what(opt, i, loss is not None and i == len(tensors) - 1),
+                             tensors[i]) for i in bad[:8]]
         v.finite = not bad and not ranks_bad
         return v
 
     @staticmethod
-    def _what(opt: Any, t: torch.Tensor, loss: torch.Tensor | None) -> Any:
-        """(parameter names of its group or None, index in the group) of the gradient ``t``,
-        or "loss"."""
-        if t is loss:
+    def _what(opt: Any, index: int, is_loss: bool) -> Any:
+        """(parameter names of its group or None, index in the group, the parameter) of the
+        ``index``-th tensor ``check`` judged, or "loss": the parameters are walked in the
+        order ``check`` gathered their gradients (a ``DTensor`` gradient's local shard is a
+        new tensor at every ``to_local()``: it is found by position, not by identity)."""
+        if is_loss:
             return "loss"
+        n = 0
         for group in opt.param_groups:
             for i, p in enumerate(group["params"]):
                 g = p.grad
-                if g is t or (g is not None and hasattr(g, "to_local")
-                              and g.to_local() is t):
-                    return group.get("param_names"), i, p
+                if g is not None and g.layout is _strided:
+                    if n == index:
+                        return group.get("param_names"), i, p
+                    n += 1
         return None, -1, None
 
 
