@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -130,3 +131,41 @@ def emulated() -> Iterator[Callable[..., None]]:
             emulation.uninstall()
         if not was:
             patch.unpatch()
+
+
+@contextlib.contextmanager
+def _atb_plugin_loaded(monkeypatch: pytest.MonkeyPatch, schema: str, kernel: Callable[..., Any]
+                       ) -> Iterator[list[Any]]:
+    """``torch.ops.load_library`` stood in for by what loading torch_npu's ATB plugin
+    (libop_plugin_atb.so) does: define the op of ``schema`` in the ``atb`` namespace with
+    ``kernel``; the patch is off inside (the test applies it) and restored after."""
+    import torch
+
+    from opcontracts import patch
+
+    libs: list[Any] = []
+
+    def load_library(path: str) -> None:
+        lib = torch.library.Library("atb", "FRAGMENT")
+        lib.define(schema)
+        lib.impl(schema.split("(", 1)[0], kernel, "CompositeExplicitAutograd")
+        libs.append(lib)
+
+    monkeypatch.setattr(torch.ops, "load_library", load_library, raising=False)
+    was = patch.is_applied()
+    patch.unpatch()
+    try:
+        yield libs
+    finally:
+        patch.unpatch()
+        for lib in libs:
+            lib._destroy()
+        if was:
+            patch.apply()
+
+
+@pytest.fixture
+def atb_plugin_loaded(monkeypatch: pytest.MonkeyPatch) -> Callable[..., Any]:
+    """``atb_plugin_loaded(schema, kernel)``: a context manager in which
+    ``torch.ops.load_library`` defines that ATB op (see ``_atb_plugin_loaded``)."""
+    return lambda schema, kernel: _atb_plugin_loaded(monkeypatch, schema, kernel)

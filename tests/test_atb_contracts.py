@@ -196,30 +196,12 @@ _SCHEMA = ("_npu_paged_attention(Tensor query, Tensor key_cache, Tensor value_ca
 
 
 @pytest.fixture
-def atb_plugin(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
+def atb_plugin(atb_plugin_loaded: Any) -> Iterator[list[Any]]:
     """What loading torch_npu's ATB plugin does (torch.ops.load_library): define the op with
     op-plugin's schema in the ``atb`` namespace; its kernel records the calls it gets."""
     calls: list[Any] = []
-    libs: list[Any] = []
-
-    def load_library(path: str) -> None:
-        lib = torch.library.Library("atb", "FRAGMENT")
-        lib.define(_SCHEMA)
-        lib.impl("_npu_paged_attention", lambda *a, **k: calls.append(a),
-                 "CompositeExplicitAutograd")
-        libs.append(lib)
-
-    monkeypatch.setattr(torch.ops, "load_library", load_library, raising=False)
-    was = patch.is_applied()
-    patch.unpatch()
-    try:
+    with atb_plugin_loaded(_SCHEMA, lambda *a, **k: calls.append(a)):
         yield calls
-    finally:
-        patch.unpatch()
-        for lib in libs:
-            lib._destroy()
-        if was:
-            patch.apply()
 
 
 def test_the_patch_guards_the_atb_op_and_torch_npus_name_for_it(soc: Any,

@@ -198,30 +198,12 @@ def test_torch_npu_onnx_rebinding_a_name_after_the_patch_is_still_checked(npu: A
 
 # --------------------------------------------------------------------------- torch.ops.atb
 @pytest.fixture
-def late_atb_library(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
+def late_atb_library(atb_plugin_loaded: Any) -> Iterator[list[Any]]:
     """``torch.ops.load_library`` stood in for by what loading torch_npu's ATB plugin
     (libop_plugin_atb.so) does: define ops in the ``atb`` namespace (here, one fake op)."""
-    libs: list[Any] = []
-
-    def load_library(path: str) -> None:
-        lib = torch.library.Library("atb", "FRAGMENT")
-        lib.define("_oc_reshape_and_cache(Tensor key, Tensor(a!) key_cache, "
-                   "Tensor slot_indices) -> ()")
-        lib.impl("_oc_reshape_and_cache", lambda key, key_cache, slot_indices: None,
-                 "CompositeExplicitAutograd")
-        libs.append(lib)
-
-    monkeypatch.setattr(torch.ops, "load_library", load_library, raising=False)
-    was = patch.is_applied()
-    patch.unpatch()
-    try:
+    schema = "_oc_reshape_and_cache(Tensor key, Tensor(a!) key_cache, Tensor slot_indices) -> ()"
+    with atb_plugin_loaded(schema, lambda key, key_cache, slot_indices: None) as libs:
         yield libs
-    finally:
-        patch.unpatch()
-        for lib in libs:
-            lib._destroy()
-        if was:
-            patch.apply()
 
 
 def test_atb_ops_loaded_after_the_patch_are_guarded_in_place(late_atb_library: list[Any]

@@ -127,17 +127,22 @@ def no_dtype(entry: dict[str, Any]) -> None:
         a.pop("dtype", None)
 
 
+def strip_dtypes(dump: Path) -> None:
+    """Every tensor argument of every entry of ``dump`` recorded without its dtype."""
+    data = json.loads(dump.read_text())
+    for entry in data["data"].values():
+        for a in entry.get("input_args", []):
+            if isinstance(a, dict):
+                a.pop("dtype", None)
+    dump.write_text(json.dumps(data))
+
+
 def test_a_dump_without_dtypes_is_no_clean_bill(capsys: Any, tmp_path: Path) -> None:
     """Every tensor recorded without its dtype: nothing could be judged; exit status 3, the
     counts per op and argument with why, never "no contract violations"."""
     rank = tmp_path / "rank0"
     shutil.copytree(WRONG / "step0" / "rank0", rank)
-    data = json.loads((rank / "dump.json").read_text())
-    for entry in data["data"].values():
-        for a in entry.get("input_args", []):
-            if isinstance(a, dict):
-                a.pop("dtype", None)
-    (rank / "dump.json").write_text(json.dumps(data))
+    strip_dtypes(rank / "dump.json")
     code, out, _ = run(capsys, rank)
     assert code == 3
     assert "no contract violations" not in out
@@ -296,12 +301,7 @@ def test_record_with_nothing_to_record_writes_no_file(capsys: Any, tmp_path: Pat
     against it vacuous), exit status 3 and one line saying why; an older file is kept."""
     rank = tmp_path / "rank0"
     shutil.copytree(CLEAN / "step0" / "rank0", rank)
-    data = json.loads((rank / "dump.json").read_text())
-    for entry in data["data"].values():
-        for a in entry.get("input_args", []):
-            if isinstance(a, dict):
-                a.pop("dtype", None)
-    (rank / "dump.json").write_text(json.dumps(data))
+    strip_dtypes(rank / "dump.json")
     out = tmp_path / "golden.toml"
     assert cli.main(["record", "--from-dump", str(rank), "-o", str(out)]) == 3
     err = capsys.readouterr().err
