@@ -211,6 +211,44 @@ def test_a_data_loader_pins_memory_for_the_device(npu: Any) -> None:
     assert batch.device.type == "cpu" and batch.tolist() == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
 
 
+def test_deepcopy_of_npu_tensors_and_modules_gives_npu_copies() -> None:
+    # torch makes the copy's storage with torch.UntypedStorage(nbytes, device="npu"), which asks
+    # the device's allocator (it killed the process: a fresh process catches that)
+    done = _run("""
+        import copy, torch, torch_npu
+        x = torch.arange(6.0).npu()
+        y = copy.deepcopy(x[1:4])
+        assert y.device.type == "npu" and y.tolist() == [1.0, 2.0, 3.0]
+        assert y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+        y.add_(1)
+        assert x.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]   # its own memory
+        model = torch.nn.Linear(3, 2).npu()
+        twin = copy.deepcopy(model)
+        assert twin.weight is not model.weight and twin.weight.device.type == "npu"
+        assert torch.equal(twin.weight.cpu(), model.weight.cpu())
+        s = torch.UntypedStorage(8, device="npu")
+        assert s.device.type == "npu" and s.nbytes() == 8
+        assert torch.UntypedStorage([1, 2], device="npu").tolist() == [1, 2]
+        assert torch.UntypedStorage(4).device.type == "cpu"
+        print("ok")
+        """)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "ok"
+
+
+def test_uninstall_puts_torchs_storage_constructor_back() -> None:
+    done = _run("""
+        import torch
+        from opcontracts import emulation
+        emulation.uninstall()
+        assert "__new__" not in torch.UntypedStorage.__dict__
+        assert torch.UntypedStorage(4).device.type == "cpu"
+        print("ok")
+        """)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "ok"
+
+
 # -- several devices -----------------------------------------------------------------------------
 
 def test_one_device_refuses_other_indices_alike(npu: Any) -> None:
