@@ -249,14 +249,14 @@ def _fallback(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
 def _empty_strided(size: Any, stride: Any, dtype: Any = None, layout: Any = None,
                    device: Any = None, pin_memory: Any = None) -> torch.Tensor:
     index = _device_index(device)
-    _state["initialized"] = True
+    _mark_initialized()
     return to_npu(torch.empty_strided(size, stride, dtype=dtype), index)
 
 
 def _empty(size: Any, dtype: Any = None, layout: Any = None, device: Any = None,
            pin_memory: Any = None, memory_format: Any = None) -> torch.Tensor:
     index = _device_index(device)
-    _state["initialized"] = True
+    _mark_initialized()
     return to_npu(torch.empty(size, dtype=dtype,
                               memory_format=memory_format or torch.contiguous_format), index)
 
@@ -297,7 +297,7 @@ def _untyped_storage_new(cls: type, *args: Any, **kwargs: Any) -> Any:
     if device is None or torch.device(device).type != DEVICE_TYPE:
         return make(cls, *args, **kwargs)
     index = _device_index(device)
-    _state["initialized"] = True
+    _mark_initialized()
     cpu = make(cls, *args, **{**kwargs, "device": _CPU})
     npu = torch._C._construct_storage_from_data_pointer(
         cpu.data_ptr(), torch.device(DEVICE_TYPE, index), cpu.nbytes())
@@ -418,6 +418,29 @@ def devices_setting(value: str | None = None) -> int:
     return count
 
 
+_queued_calls: list[Callable[[], Any]] = []
+
+
+def _lazy_call(cb: Callable[[], Any]) -> None:
+    """torch_npu's ``torch_npu.npu._lazy_call``: ``cb`` now when the device is initialised,
+    else at its initialisation (the first use of the device; MindSpeed's and Megatron's RNG
+    trackers queue their ``set_state`` this way)."""
+    if _state["initialized"]:
+        cb()
+    else:
+        _queued_calls.append(cb)
+
+
+def _mark_initialized() -> None:
+    """The device's lazy init (torch_npu's ``_lazy_init``): initialised from now on, and the
+    calls queued until then run, in order."""
+    if _state["initialized"]:
+        return
+    _state["initialized"] = True
+    while _queued_calls:
+        _queued_calls.pop(0)()
+
+
 def _invalid_device(index: int) -> RuntimeError:
     """torch_npu's error for a device the machine does not have (aclrtSetDevice's 107001)."""
     count = int(_state["count"])
@@ -463,7 +486,7 @@ def _build_module() -> types.ModuleType:
 
     def set_device(device: Any) -> None:
         _state["current"] = _device_index(device)
-        _state["initialized"] = True
+        _mark_initialized()
 
     def synchronize(device: Any = None) -> None:
         _device_index(device)  # the CPU has finished every kernel when it returns
@@ -511,7 +534,8 @@ def _build_module() -> types.ModuleType:
         setattr(mod, fn.__name__, fn)
     mod.manual_seed_all = manual_seed_all  # type: ignore[attr-defined]
     mod._is_in_bad_fork = lambda: False  # type: ignore[attr-defined]
-    mod._lazy_init = lambda: None  # type: ignore[attr-defined]
+    mod._lazy_init = _mark_initialized  # type: ignore[attr-defined]
+    mod._lazy_call = _lazy_call  # type: ignore[attr-defined]
     mod.amp = _autocast.amp_module(mod.__name__)  # type: ignore[attr-defined]
     mod.__opcontracts_emulation__ = True  # type: ignore[attr-defined]  # a stand-in (_standins.MARKER)
     _npu_api.extend(mod)  # config, rng state, memory, streams, events, graphs (_npu_api)
@@ -644,6 +668,7 @@ def uninstall() -> None:
         while _libs:
             _libs.pop()._destroy()
         _unpatch_storage()
+        _queued_calls.clear()
         _backward_engine.uninstall()
         if _module is None:
             return
