@@ -249,6 +249,26 @@ def test_uninstall_puts_torchs_storage_constructor_back() -> None:
     assert done.stdout.strip() == "ok"
 
 
+def test_float16_products_accumulate_in_float32_and_round_once(npu: Any) -> None:
+    # the NPU's cube unit: fp32 accumulation, one rounding per element (the CPU's own fp16 bmm
+    # rounds partial sums: another result, and a slow path)
+    torch.manual_seed(0)
+    a, b = torch.rand(4, 8, 512).half(), torch.rand(4, 512, 8).half()
+    c, m1, m2 = torch.rand(8, 8).half(), torch.rand(8, 512).half(), torch.rand(512, 8).half()
+    once = {
+        "bmm": (torch.bmm(a.npu(), b.npu()), torch.bmm(a.float(), b.float())),
+        "mm": (m1.npu() @ m2.npu(), m1.float() @ m2.float()),
+        "addmm": (torch.addmm(c.npu(), m1.npu(), m2.npu()), torch.addmm(c.float(), m1.float(), m2.float())),
+        "baddbmm": (torch.baddbmm(a.npu()[:, :, :8], a.npu(), b.npu()),
+                    torch.baddbmm(a[:, :, :8].float(), a.float(), b.float())),
+    }
+    for name, (got, wide) in once.items():
+        assert got.dtype == torch.float16 and got.device.type == "npu", name
+        assert torch.equal(got.cpu(), wide.half()), name
+    bf = torch.rand(2, 3, 64).bfloat16()
+    assert torch.equal(torch.bmm(bf.npu(), bf.npu().mT).cpu(), torch.bmm(bf, bf.mT))  # unchanged
+
+
 # -- several devices -----------------------------------------------------------------------------
 
 def test_one_device_refuses_other_indices_alike(npu: Any) -> None:

@@ -53,7 +53,7 @@ from typing import Any
 import torch
 from torch.library import Library
 
-from . import _autocast, _backward_engine, _cpu_gaps, _npu_api, _philox
+from . import _autocast, _backward_engine, _cpu_gaps, _gemm_accum, _npu_api, _philox
 
 __all__ = ["DEFAULT_SOC", "call_on_cpu", "drop_op_kernels", "install", "installed", "module",
            "register_op_kernels", "reported_soc", "reserve", "to_cpu_view", "to_npu", "uninstall"]
@@ -215,7 +215,9 @@ def call_on_cpu(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[s
     cpu_args = tuple(_unwrap(v) for v in args)
     cpu_kwargs = {k: _unwrap(v) for k, v in kwargs.items()} if kwargs else kwargs
     try:
-        out = op(*cpu_args, **cpu_kwargs)
+        out = _gemm_accum.run(op, cpu_args, cpu_kwargs)  # float16 products: fp32 accumulation
+        if out is None:
+            out = op(*cpu_args, **cpu_kwargs)
     except (RuntimeError, NotImplementedError) as exc:
         # the CPU kernel refused what the NPU takes: a Python number in a Tensor argument, a
         # dtype the CPU has no kernel for (_cpu_gaps)
