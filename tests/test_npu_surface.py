@@ -379,7 +379,7 @@ _REAL_MINDSPEED = {
         AS_LIBRARY = Library("mindspeed", "DEF")
         AS_LIBRARY.define("probe(Tensor x) -> Tensor")
         CANN = os.environ["ASCEND_HOME_PATH"]
-        assert os.path.exists(CANN)
+        assert os.path.exists(CANN) and os.path.exists(os.environ["ATB_HOME_PATH"])
 
         def build(name):
             return load(name=name, sources=[os.path.join(CANN, "x.cpp")],
@@ -397,6 +397,7 @@ def test_a_real_mindspeed_on_the_path_is_imported_and_its_jit_builds_load(tmp_pa
     script = textwrap.dedent(f"""
         import os, sys
         os.environ.pop("ASCEND_HOME_PATH", None)
+        os.environ.pop("ATB_HOME_PATH", None)
         from opcontracts import emulation
         emulation.install("narrow", device=True)
         sys.path.insert(0, {str(tmp_path)!r})
@@ -418,6 +419,7 @@ def test_a_real_mindspeed_on_the_path_is_imported_and_its_jit_builds_load(tmp_pa
         emulation.uninstall()
         import torch.utils.cpp_extension as cpp
         assert cpp.load.__module__ == "torch.utils.cpp_extension" and "ASCEND_HOME_PATH" not in os.environ
+        assert "ATB_HOME_PATH" not in os.environ
         print("ok")
         """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
@@ -479,3 +481,16 @@ def torch_npu_cann() -> str:
     import torch_npu
 
     return str(torch_npu.utils.get_cann_version())
+
+
+def test_hccl_process_group_options_as_mindspeed_builds_them(npu: Any) -> None:
+    import torch_npu
+
+    options_type = torch_npu._C._distributed_c10d.ProcessGroupHCCL.Options
+    assert hasattr(options_type, "hccl_config")  # a field of the class, as pybind binds it
+    options = options_type()
+    config = options.hccl_config
+    config.update({"group_name": "dp", "hccl_buffer_size": 200})
+    options.hccl_config = config
+    assert options.hccl_config == {"group_name": "dp", "hccl_buffer_size": 200}
+    assert options.global_ranks_in_group == [] and not options.is_high_priority_stream

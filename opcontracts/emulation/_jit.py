@@ -451,11 +451,13 @@ def load(name: str) -> types.ModuleType:
 # by name when builder.py is imported.  While the emulation is installed that ``load`` returns
 # the emulated extension of a name it builds (:data:`EXTENSIONS`) and compiles anything else as
 # torch does (without CANN's headers that fails, as on a machine without CANN).  The builder
-# also reads the CANN root from ``ASCEND_HOME_PATH`` (CANN's set_env.sh sets it on an NPU
-# machine); unset, the emulated machine's CANN root is this package's folder, which has no
-# headers: only the emulated extensions load.
+# also reads the CANN root from ``ASCEND_HOME_PATH`` and, for its ATB ops (matmul add), the
+# NNAL root from ``ATB_HOME_PATH`` (set_env.sh of CANN and of cann-nnal set them on an NPU
+# machine); unset, the emulated machine's roots are this package's folder, which has no headers:
+# only the emulated extensions load.
 
 CANN_ROOT_VAR = "ASCEND_HOME_PATH"
+ROOT_VARS = (CANN_ROOT_VAR, "ATB_HOME_PATH")
 _compiler: dict[str, Any] = {}
 
 
@@ -467,7 +469,8 @@ def _load(name: str, sources: Any = None, *args: Any, **kwargs: Any) -> Any:
 
 def install_compiler() -> None:
     """``torch.utils.cpp_extension.load`` serves the emulated extensions; ``ASCEND_HOME_PATH``
-    names the emulated CANN root when unset (both put back by :func:`uninstall_compiler`)."""
+    and ``ATB_HOME_PATH`` name the emulated roots when unset (put back by
+    :func:`uninstall_compiler`)."""
     import os
 
     import torch.utils.cpp_extension as cpp_extension
@@ -476,9 +479,11 @@ def install_compiler() -> None:
         return
     _compiler["load"] = cpp_extension.load
     cpp_extension.load = _load  # type: ignore[assignment]
-    if not os.environ.get(CANN_ROOT_VAR):
-        os.environ[CANN_ROOT_VAR] = os.path.dirname(os.path.abspath(__file__))
-        _compiler["root"] = os.environ[CANN_ROOT_VAR]
+    root = os.path.dirname(os.path.abspath(__file__))
+    _compiler["roots"] = [var for var in ROOT_VARS if not os.environ.get(var)]
+    for var in _compiler["roots"]:
+        os.environ[var] = root
+    _compiler["root"] = root
 
 
 def uninstall_compiler() -> None:
@@ -490,7 +495,7 @@ def uninstall_compiler() -> None:
         return
     if cpp_extension.load is _load:
         cpp_extension.load = _compiler["load"]
-    root = _compiler.get("root")
-    if root is not None and os.environ.get(CANN_ROOT_VAR) == root:
-        del os.environ[CANN_ROOT_VAR]
+    for var in _compiler.get("roots", ()):
+        if os.environ.get(var) == _compiler["root"]:
+            del os.environ[var]
     _compiler.clear()

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from . import _acl, _npu_api, _profiler, _testing, _torchair_ge, _transfer
+from . import _acl, _c10d, _npu_api, _profiler, _testing, _torchair_ge, _transfer
 from ._naming import own
 
 __all__ = ["DTYPES", "NEEDS_DEVICE", "PACKAGES", "NotEmulatedError", "check_known", "extend_torch_npu", "table"]
@@ -57,7 +57,7 @@ DTYPES: dict[str, int] = {name: 256 + acl for name, acl in (
 """``torch_npu.<name>``: torch_npu's DType values (aclDataType + 256)."""
 
 ROOTS = ("torch_npu", "mindspeed", "torchair")
-LAZY_SUBMODULES = ("utils", "contrib", "testing", "profiler")  # torch_npu.<name> without importing it
+LAZY_SUBMODULES = ("utils", "contrib", "testing", "profiler", "_C")  # torch_npu.<name> without importing it
 
 
 class NotEmulatedError(ModuleNotFoundError):
@@ -277,6 +277,7 @@ def table() -> dict[str, Callable[[types.ModuleType], None]]:
         "torchair.ge": _torchair_ge_module,
         "mindspeed.megatron_adaptor": _megatron_adaptor,
         "acl": _acl.fill_acl,
+        "torch_npu._C": _c10d.fill_c,
     }
 
 
