@@ -211,6 +211,64 @@ def test_a_data_loader_pins_memory_for_the_device(npu: Any) -> None:
     assert batch.device.type == "cpu" and batch.tolist() == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
 
 
+def test_deepcopy_of_npu_tensors_and_modules_gives_npu_copies() -> None:
+    # torch makes the copy's storage with torch.UntypedStorage(nbytes, device="npu"), which asks
+    # the device's allocator (it killed the process: a fresh process catches that)
+    done = _run("""
+        import copy, torch, torch_npu
+        x = torch.arange(6.0).npu()
+        y = copy.deepcopy(x[1:4])
+        assert y.device.type == "npu" and y.tolist() == [1.0, 2.0, 3.0]
+        assert y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+        y.add_(1)
+        assert x.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]   # its own memory
+        model = torch.nn.Linear(3, 2).npu()
+        twin = copy.deepcopy(model)
+        assert twin.weight is not model.weight and twin.weight.device.type == "npu"
+        assert torch.equal(twin.weight.cpu(), model.weight.cpu())
+        s = torch.UntypedStorage(8, device="npu")
+        assert s.device.type == "npu" and s.nbytes() == 8
+        assert torch.UntypedStorage([1, 2], device="npu").tolist() == [1, 2]
+        assert torch.UntypedStorage(4).device.type == "cpu"
+        print("ok")
+        """)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "ok"
+
+
+def test_uninstall_puts_torchs_storage_constructor_back() -> None:
+    done = _run("""
+        import torch
+        from opcontracts import emulation
+        emulation.uninstall()
+        assert "__new__" not in torch.UntypedStorage.__dict__
+        assert torch.UntypedStorage(4).device.type == "cpu"
+        print("ok")
+        """)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "ok"
+
+
+def test_float16_products_accumulate_in_float32_and_round_once(npu: Any) -> None:
+    # the NPU's cube unit: fp32 accumulation, one rounding per element (the CPU's own fp16 bmm
+    # rounds partial sums: another result, and a slow path)
+    torch.manual_seed(0)
+    a, b = torch.rand(4, 8, 512).half(), torch.rand(4, 512, 8).half()
+    c, m1, m2 = torch.rand(8, 8).half(), torch.rand(8, 512).half(), torch.rand(512, 8).half()
+    once = {
+        "bmm": (torch.bmm(a.npu(), b.npu()), torch.bmm(a.float(), b.float())),
+        "mm": (m1.npu() @ m2.npu(), m1.float() @ m2.float()),
+        "addmm": (torch.addmm(c.npu(), m1.npu(), m2.npu()), torch.addmm(c.float(), m1.float(), m2.float())),
+        "baddbmm": (torch.baddbmm(a.npu()[:, :, :8], a.npu(), b.npu()),
+                    torch.baddbmm(a[:, :, :8].float(), a.float(), b.float())),
+    }
+    for name, (got, wide) in once.items():
+        assert got.dtype == torch.float16 and got.device.type == "npu", name
+        assert torch.equal(got.cpu(), wide.half()), name
+    bf = torch.rand(2, 3, 64).bfloat16()
+    assert torch.equal(torch.bmm(bf.npu(), bf.npu().mT).cpu(), torch.bmm(bf, bf.mT))  # unchanged
+
+
 # -- several devices -----------------------------------------------------------------------------
 
 def test_one_device_refuses_other_indices_alike(npu: Any) -> None:

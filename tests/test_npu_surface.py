@@ -313,9 +313,9 @@ def test_an_import_the_emulation_lacks_names_it(npu: Any) -> None:
     with pytest.raises(ModuleNotFoundError, match="does not emulate torch_npu.some") as info:
         import torch_npu.some.unknown.module  # type: ignore[import-not-found]  # noqa: F401
     assert isinstance(info.value, NotEmulatedError) and info.value.name == "torch_npu.some"
-    with pytest.raises(AttributeError, match="does not emulate torch_npu.profiler"):
-        npu.profiler  # noqa: B018
-    assert not hasattr(npu, "profiler")
+    with pytest.raises(AttributeError, match="does not emulate torch_npu.dynamo"):
+        npu.dynamo  # noqa: B018
+    assert not hasattr(npu, "dynamo")
 
 
 def test_run_prints_one_line_for_an_import_the_emulation_lacks(tmp_path: Path) -> None:
@@ -364,3 +364,133 @@ def test_default_generators_state_is_get_rng_states(npu: Any) -> None:
     gen.set_state(state)
     assert torch.equal(torch.randn(4, device="npu").cpu(), a.cpu())
     assert len(torch.npu.default_generators) == torch.npu.device_count()
+
+
+# -- a real MindSpeed on the path, and what its adaptor and ops import ---------------------------
+
+_REAL_MINDSPEED = {
+    "mindspeed/__init__.py": "REAL = True\n",
+    # as MindSpeed's op_builder/builder.py: load imported by name, its own mindspeed library,
+    # the CANN root from ASCEND_HOME_PATH
+    "mindspeed/op_builder.py": textwrap.dedent("""
+        import os
+        from torch.utils.cpp_extension import load
+        from torch.library import Library
+        AS_LIBRARY = Library("mindspeed", "DEF")
+        AS_LIBRARY.define("probe(Tensor x) -> Tensor")
+        CANN = os.environ["ASCEND_HOME_PATH"]
+        assert os.path.exists(CANN) and os.path.exists(os.environ["ATB_HOME_PATH"])
+
+        def build(name):
+            return load(name=name, sources=[os.path.join(CANN, "x.cpp")],
+                        extra_include_paths=[os.path.join(CANN, "include")], verbose=False)
+        """),
+    "mindspeed/ops/__init__.py": "",
+    "acl.py": "REAL = True\n",
+}
+
+
+def test_a_real_mindspeed_on_the_path_is_imported_and_its_jit_builds_load(tmp_path: Path) -> None:
+    for name, text in _REAL_MINDSPEED.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    script = textwrap.dedent(f"""
+        import os, sys
+        os.environ.pop("ASCEND_HOME_PATH", None)
+        os.environ.pop("ATB_HOME_PATH", None)
+        from opcontracts import emulation
+        emulation.install("narrow", device=True)
+        sys.path.insert(0, {str(tmp_path)!r})
+        import torch, mindspeed, acl
+        import mindspeed.ops
+        from mindspeed import op_builder
+        assert mindspeed.REAL and acl.REAL and not hasattr(mindspeed, "__opcontracts_emulation__")
+        ring = op_builder.build("npu_ring_attention_update")
+        S, B, N, D = 3, 1, 2, 4
+        out = [torch.randn(S, B, N * D, device="npu")]
+        stats = [torch.rand(B, N, S, 8, device="npu") + 0.5 for _ in range(2)]
+        res = ring.npu_ring_attention_update(out[0], stats[0], stats[1], out[0], stats[0], stats[1], None, "SBH")
+        assert isinstance(res, list) and len(res) == 3 and res[0].device.type == "npu"
+        assert torch.allclose(res[0].cpu(), out[0].cpu(), atol=1e-5)  # the same result twice: itself
+        try:
+            op_builder.build("no_such_extension")
+        except Exception as exc:
+            print("compiled", type(exc).__name__)
+        emulation.uninstall()
+        import torch.utils.cpp_extension as cpp
+        assert cpp.load.__module__ == "torch.utils.cpp_extension" and "ASCEND_HOME_PATH" not in os.environ
+        assert "ATB_HOME_PATH" not in os.environ
+        print("ok")
+        """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.split()
+    assert lines[-1] == "ok" and "compiled" in lines  # an unknown extension is compiled, and fails
+
+
+def test_the_stand_in_mindspeed_defines_its_library_only_when_used(npu: Any) -> None:
+    from opcontracts.emulation import _jit
+
+    assert _jit._state["library"] is None   # a real MindSpeed imported now could define its own
+    import mindspeed.ops.gmm  # noqa: F401
+
+    assert _jit._state["library"] is not None and hasattr(torch.ops.mindspeed, "npu_gmm")
+
+
+def test_lazy_call_runs_at_the_devices_first_use(npu: Any) -> None:
+    calls: list[str] = []
+    assert not torch.npu.is_initialized()
+    torch.npu._lazy_call(lambda: calls.append("rng"))
+    assert calls == []
+    torch.empty(1, device="npu")
+    assert calls == ["rng"] and torch.npu.is_initialized()
+    torch.npu._lazy_call(lambda: calls.append("now"))
+    assert calls == ["rng", "now"]
+
+
+def test_what_mindspeed_imports_at_start_up(npu: Any) -> None:
+    import acl
+    import torchair
+    from torch_npu.profiler import AiCMetrics, ProfilerActivity, ProfilerLevel
+    from torch_npu.profiler.profiler import analyse
+    from torch_npu.utils.collect_env import get_cann_version
+    from torchair.ge import DataType
+
+    assert acl.get_soc_name() == torch.npu.get_device_name() == "Ascend910B3"
+    assert acl.rt.get_device_count() == (1, 0) and acl.rt.set_device(3) == 107001
+    free, total, ret = acl.rt.get_mem_info(0)
+    assert ret == 0 and 0 < free <= total
+    assert get_cann_version() == torch_npu_cann()
+    assert ProfilerLevel.Level1 == "Level1" and AiCMetrics.PipeUtilization == "ACL_AICORE_PIPE_UTILIZATION"
+    assert {ProfilerActivity.CPU, ProfilerActivity.NPU} == set(ProfilerActivity)
+    with pytest.raises(NotImplementedError, match="analyse"):
+        analyse("/tmp/prof")
+    assert (DataType.DT_FLOAT, DataType.DT_FLOAT16, DataType.DT_BF16, DataType.DT_INT64) == (0, 1, 27, 9)
+
+    def convert(x: Any) -> Any:
+        return x
+
+    assert torchair.register_fx_node_ge_converter(torch.ops.aten.add.Tensor)(convert) is convert
+    from opcontracts.emulation import _torchair_ge
+
+    assert _torchair_ge.converters()[torch.ops.aten.add.Tensor] is convert
+
+
+def torch_npu_cann() -> str:
+    import torch_npu
+
+    return str(torch_npu.utils.get_cann_version())
+
+
+def test_hccl_process_group_options_as_mindspeed_builds_them(npu: Any) -> None:
+    import torch_npu
+
+    options_type = torch_npu._C._distributed_c10d.ProcessGroupHCCL.Options
+    assert hasattr(options_type, "hccl_config")  # a field of the class, as pybind binds it
+    options = options_type()
+    config = options.hccl_config
+    config.update({"group_name": "dp", "hccl_buffer_size": 200})
+    options.hccl_config = config
+    assert options.hccl_config == {"group_name": "dp", "hccl_buffer_size": 200}
+    assert options.global_ranks_in_group == [] and not options.is_high_priority_stream

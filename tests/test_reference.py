@@ -138,3 +138,19 @@ def test_references_never_write_into_their_inputs(name: str) -> None:
     reference.get(name).forward(*args, **kwargs)  # type: ignore[union-attr]
     after = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_out_of_range_rows_are_zero_and_the_callers_tensors_untouched() -> None:
+    from opcontracts.reference import _moe
+    from opcontracts.reference._util import gather_rows, scatter_add_rows
+
+    src = torch.tensor([[float("inf"), 1.0], [2.0, 3.0]])
+    # an index past the end reads no row: zeros, not the clamped row times zero (inf * 0 = nan)
+    assert gather_rows(src, torch.tensor([1, 5, -1])).tolist() == [[2.0, 3.0], [0.0, 0.0], [0.0, 0.0]]
+    out, rows = torch.zeros(2, 2), src.clone()
+    assert scatter_add_rows(out, torch.tensor([0, 7]), rows).tolist() == [[float("inf"), 1.0], [0.0, 0.0]]
+    assert out.tolist() == [[0.0, 0.0], [0.0, 0.0]] and torch.equal(rows, src)  # out of place
+    grad, permuted = torch.randn(4, 3), torch.randn(4, 3)
+    before = grad.clone()
+    _moe.npu_moe_token_unpermute_grad(permuted, grad, torch.tensor([0, 1, 9, -2], dtype=torch.int32))
+    assert torch.equal(grad, before)

@@ -10,7 +10,9 @@ memory, as on a device.  Kernels, registered through ``torch.library`` for ``Pri
 
 * ``aten::empty_strided``, ``aten::empty.memory_format``: allocate on CPU, hand out an npu
   tensor over it; ``aten::_copy_from``: copies between the devices (``.to("npu")``,
-  ``.cpu()``);
+  ``.cpu()``); ``aten::set_`` to a storage (the npu tensor takes the npu storage as it is);
+* ``torch.UntypedStorage(n, device="npu")`` (``storage.clone()``, ``copy.deepcopy``): host
+  memory under an npu storage, as above (a Python backend has no allocator to give torch);
 * every other ATen op: one boxed fallback on the global ``_`` namespace (:func:`call_on_cpu`):
   each npu argument is seen as a CPU tensor over the same memory, the op runs on CPU, tensor
   results come back as npu tensors (a mutated argument is returned as itself; an ``out=``
@@ -51,7 +53,7 @@ from typing import Any
 import torch
 from torch.library import Library
 
-from . import _autocast, _backward_engine, _cpu_gaps, _npu_api, _philox
+from . import _autocast, _backward_engine, _cpu_gaps, _gemm_accum, _npu_api, _philox
 
 __all__ = ["DEFAULT_SOC", "call_on_cpu", "drop_op_kernels", "install", "installed", "module",
            "register_op_kernels", "reported_soc", "reserve", "to_cpu_view", "to_npu", "uninstall"]
@@ -67,6 +69,7 @@ _libs: list[Library] = []      # aten kernels and the fallback, while installed
 _op_libs: list[Library] = []   # kernels of the emulated npu ops
 _CPU = torch.device("cpu")
 _SET = torch.ops.aten.set_.source_Storage_storage_offset
+_SET_WHOLE = torch.ops.aten.set_.source_Storage
 _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 
 
@@ -212,7 +215,9 @@ def call_on_cpu(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[s
     cpu_args = tuple(_unwrap(v) for v in args)
     cpu_kwargs = {k: _unwrap(v) for k, v in kwargs.items()} if kwargs else kwargs
     try:
-        out = op(*cpu_args, **cpu_kwargs)
+        out = _gemm_accum.run(op, cpu_args, cpu_kwargs)  # float16 products: fp32 accumulation
+        if out is None:
+            out = op(*cpu_args, **cpu_kwargs)
     except (RuntimeError, NotImplementedError) as exc:
         # the CPU kernel refused what the NPU takes: a Python number in a Tensor argument, a
         # dtype the CPU has no kernel for (_cpu_gaps)
@@ -246,14 +251,14 @@ def _fallback(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
 def _empty_strided(size: Any, stride: Any, dtype: Any = None, layout: Any = None,
                    device: Any = None, pin_memory: Any = None) -> torch.Tensor:
     index = _device_index(device)
-    _state["initialized"] = True
+    _mark_initialized()
     return to_npu(torch.empty_strided(size, stride, dtype=dtype), index)
 
 
 def _empty(size: Any, dtype: Any = None, layout: Any = None, device: Any = None,
            pin_memory: Any = None, memory_format: Any = None) -> torch.Tensor:
     index = _device_index(device)
-    _state["initialized"] = True
+    _mark_initialized()
     return to_npu(torch.empty(size, dtype=dtype,
                               memory_format=memory_format or torch.contiguous_format), index)
 
@@ -277,11 +282,64 @@ def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False)
     return dst
 
 
+# -- storages made by torch itself ------------------------------------------------------------
+# ``torch.UntypedStorage(nbytes, device="npu")`` asks the device's allocator, which a Python
+# backend cannot give torch (the C++ call dereferences a null allocator: the process dies of a
+# segmentation fault).  torch makes storages that way in ``storage.clone()``, hence in
+# ``copy.deepcopy`` of every npu tensor and of a module holding npu parameters.  On torch_npu
+# the NPU caching allocator serves it; here the storage's memory is host memory, as every npu
+# tensor's is.
+
+_storage_new: list[Any] = []  # the StorageBase constructor, while the npu one is in place
+
+
+def _untyped_storage_new(cls: type, *args: Any, **kwargs: Any) -> Any:
+    make = _storage_new[0] if _storage_new else torch._C.StorageBase.__new__
+    device = kwargs.get("device")
+    if device is None or torch.device(device).type != DEVICE_TYPE:
+        return make(cls, *args, **kwargs)
+    index = _device_index(device)
+    _mark_initialized()
+    cpu = make(cls, *args, **{**kwargs, "device": _CPU})
+    npu = torch._C._construct_storage_from_data_pointer(
+        cpu.data_ptr(), torch.device(DEVICE_TYPE, index), cpu.nbytes())
+    npu._opcontracts_cpu = cpu  # type: ignore[attr-defined]  # the memory lives as long as the npu storage
+    return npu
+
+
+def _patch_storage() -> None:
+    if not _storage_new:
+        _storage_new.append(torch.UntypedStorage.__dict__.get("__new__", torch._C.StorageBase.__new__))
+        torch.UntypedStorage.__new__ = _untyped_storage_new  # type: ignore[method-assign,assignment]
+
+
+def _unpatch_storage() -> None:
+    if _storage_new:
+        original = _storage_new.pop()
+        if original is torch._C.StorageBase.__new__:
+            del torch.UntypedStorage.__new__
+        else:
+            torch.UntypedStorage.__new__ = original  # type: ignore[method-assign]
+
+
+def _set_storage(self: torch.Tensor, source: Any) -> torch.Tensor:
+    return _SET_WHOLE.redispatch(_CPU_KEYS, self, source)  # type: ignore[no-any-return]
+
+
+def _set_storage_offset(self: torch.Tensor, source: Any, storage_offset: Any, size: Any,
+                        stride: Any = ()) -> torch.Tensor:
+    return _SET.redispatch(_CPU_KEYS, self, source, storage_offset, size, stride)  # type: ignore[no-any-return]
+
+
 def _register_kernels() -> list[Library]:
     aten = Library("aten", "IMPL")
     aten.impl("empty_strided", _empty_strided, "PrivateUse1")
     aten.impl("empty.memory_format", _empty, "PrivateUse1")
     aten.impl("_copy_from", _copy_from, "PrivateUse1")
+    # an npu tensor set to an npu storage (storage.clone(), deepcopy, torch.load's rebuild): the
+    # CPU kernel of set_ only moves the storage pointer and the metadata, on any TensorImpl
+    aten.impl("set_.source_Storage", _set_storage, "PrivateUse1")
+    aten.impl("set_.source_Storage_storage_offset", _set_storage_offset, "PrivateUse1")
     # CPU and npu tensors are shallow-copy compatible, as torch_npu makes them: Module.to("npu")
     # keeps the Parameter objects (param.data = npu tensor), so an optimizer built before sees
     # the parameters it updates
@@ -362,6 +420,29 @@ def devices_setting(value: str | None = None) -> int:
     return count
 
 
+_queued_calls: list[Callable[[], Any]] = []
+
+
+def _lazy_call(cb: Callable[[], Any]) -> None:
+    """torch_npu's ``torch_npu.npu._lazy_call``: ``cb`` now when the device is initialised,
+    else at its initialisation (the first use of the device; MindSpeed's and Megatron's RNG
+    trackers queue their ``set_state`` this way)."""
+    if _state["initialized"]:
+        cb()
+    else:
+        _queued_calls.append(cb)
+
+
+def _mark_initialized() -> None:
+    """The device's lazy init (torch_npu's ``_lazy_init``): initialised from now on, and the
+    calls queued until then run, in order."""
+    if _state["initialized"]:
+        return
+    _state["initialized"] = True
+    while _queued_calls:
+        _queued_calls.pop(0)()
+
+
 def _invalid_device(index: int) -> RuntimeError:
     """torch_npu's error for a device the machine does not have (aclrtSetDevice's 107001)."""
     count = int(_state["count"])
@@ -407,7 +488,7 @@ def _build_module() -> types.ModuleType:
 
     def set_device(device: Any) -> None:
         _state["current"] = _device_index(device)
-        _state["initialized"] = True
+        _mark_initialized()
 
     def synchronize(device: Any = None) -> None:
         _device_index(device)  # the CPU has finished every kernel when it returns
@@ -455,7 +536,8 @@ def _build_module() -> types.ModuleType:
         setattr(mod, fn.__name__, fn)
     mod.manual_seed_all = manual_seed_all  # type: ignore[attr-defined]
     mod._is_in_bad_fork = lambda: False  # type: ignore[attr-defined]
-    mod._lazy_init = lambda: None  # type: ignore[attr-defined]
+    mod._lazy_init = _mark_initialized  # type: ignore[attr-defined]
+    mod._lazy_call = _lazy_call  # type: ignore[attr-defined]
     mod.amp = _autocast.amp_module(mod.__name__)  # type: ignore[attr-defined]
     mod.__opcontracts_emulation__ = True  # type: ignore[attr-defined]  # a stand-in (_standins.MARKER)
     _npu_api.extend(mod)  # config, rng state, memory, streams, events, graphs (_npu_api)
@@ -549,6 +631,7 @@ def install(soc: str = DEFAULT_SOC, devices: int | None = None) -> None:
         reserve()
         assert _module is not None
         _libs.extend(_register_kernels())
+        _patch_storage()
         _libs.extend(_autocast.register())
         _backward_engine.install(lambda: int(_state["count"]) > 1)
         sys.modules["torch_npu.npu"] = _module
@@ -586,6 +669,8 @@ def uninstall() -> None:
         drop_op_kernels()
         while _libs:
             _libs.pop()._destroy()
+        _unpatch_storage()
+        _queued_calls.clear()
         _backward_engine.uninstall()
         if _module is None:
             return

@@ -9,7 +9,7 @@ import threading
 from torch.library import Library
 
 from . import _device, _ops, _profiles, _transfer
-from ._jit import deregister_library, register_library, set_line
+from ._jit import arm_library, disarm_library, install_compiler, set_line, uninstall_compiler
 from ._standins import MODULE_NAMES, StandinFinder, is_standin
 
 __all__ = ["current_profile", "install", "installed", "installed_release", "uninstall"]
@@ -19,7 +19,6 @@ DEFAULT_MINDSPEED_VERSION = "0.8.0"
 
 _lock = threading.RLock()
 _lib: Library | None = None
-_ms_lib: Library | None = None  # MindSpeed's AS_LIBRARY (``_jit``): torch.ops.mindspeed
 _finder: StandinFinder | None = None
 _release: str | None = None  # the torch_npu release whose structure the ops have
 
@@ -64,9 +63,10 @@ def install(
     (``_jit``); ``"master"`` runs MindSpeed's own bf16 ``TORCH_CHECK``s in unpermute / permute,
     forward and backward (a RuntimeError, as MindSpeed raises); ``"core_r0.8.0"`` (the
     DeepSeek-V3 line, default) has none (ranks only, and an fp32 cast when probs is fp32), so a
-    wrong dtype reaches the kernel. The install also owns MindSpeed's ``Library("mindspeed",
-    "DEF")``: ``torch.ops.mindspeed.npu_gmm`` is defined on it when ``mindspeed.ops.gmm`` is
-    imported (as MindSpeed's ``GMMOpBuilder`` does) and is gone after ``uninstall()``.
+    wrong dtype reaches the kernel. The stand-in MindSpeed owns ``Library("mindspeed",
+    "DEF")`` (defined at its first use, so a real MindSpeed on ``sys.path`` defines its own):
+    ``torch.ops.mindspeed.npu_gmm`` is defined on it when ``mindspeed.ops.gmm`` is imported (as
+    MindSpeed's ``GMMOpBuilder`` does) and is gone after ``uninstall()``.
     Installing again switches the profile (and
     the reported versions); a different ``version`` registers the ops anew (references to op
     packets taken before go stale). When ``opcontracts.patch`` is
@@ -79,7 +79,7 @@ def install(
     reports (``device="Ascend910_9382"``).  Installing again with ``device=False`` keeps a
     device already installed.
     """
-    global _lib, _ms_lib, _finder, _release
+    global _lib, _finder, _release
     resolved = _profiles.resolve(profile, _ops.tensor_args())
     stack = resolved.stack
     if version is None:
@@ -106,15 +106,12 @@ def install(
                 "The emulation is for machines without an NPU stack."
             )
         lib = _ops.register(version)
-        try:
-            ms_lib = register_library()
-        except BaseException:
-            _ops.deregister(lib)
-            raise
+        arm_library()  # MindSpeed's AS_LIBRARY, defined when a stand-in first needs it
+        install_compiler()  # a real MindSpeed's JIT builds get the emulated extensions
         _profiles.activate(resolved)
         finder = StandinFinder(versions)
         finder.insert()
-        _lib, _ms_lib, _finder, _release = lib, ms_lib, finder, version
+        _lib, _finder, _release = lib, finder, version
         try:
             _install_device(device)
         except BaseException:
@@ -182,7 +179,7 @@ def uninstall() -> None:
 
 
 def _drop() -> None:
-    global _lib, _ms_lib, _finder
+    global _lib, _finder
     with _lock:
         _transfer.restore()  # transfer_to_npu's patches to torch, if a script imported it
         _device.uninstall()  # its kernels for the ops first, while the ops exist
@@ -194,13 +191,13 @@ def _drop() -> None:
                 sys.modules[name]
             ):
                 del sys.modules[name]
-        if _ms_lib is not None:  # torch.ops.mindspeed.* (defined by the stand-in builders)
-            deregister_library(_ms_lib)
+        disarm_library()  # torch.ops.mindspeed.* (defined by the stand-in builders)
+        uninstall_compiler()
         if _lib is not None:
             _ops.deregister(_lib)
         _profiles.deactivate()
         set_line("core_r0.8.0")
-        _lib, _ms_lib, _finder, _release = None, None, None, None
+        _lib, _finder, _release = None, None, None
 
 
 def _check_release(version: str) -> None:

@@ -17,9 +17,10 @@ The emulation keeps that shape:
   ``OP_NAME``), with the functions the ``.cpp`` binds, each an ``autograd.Function`` as the C++
   one: the checks of the installed MindSpeed line (:data:`MINDSPEED_LINES`), the kernel, and a
   backward calling the grad kernel the same way;
-* :func:`register_library` is MindSpeed's ``AS_LIBRARY = Library("mindspeed", "DEF")``
-  (``op_builder/builder.py``), owned by ``install()`` and destroyed by ``uninstall()``; the
-  stand-in builders define their ops on it as MindSpeed's do (``GMMOpBuilder.__init__``).
+* :func:`library` is MindSpeed's ``AS_LIBRARY = Library("mindspeed", "DEF")``
+  (``op_builder/builder.py``), defined when a stand-in builder first needs it (a real MindSpeed
+  defines its own) and destroyed by ``uninstall()``; the stand-in builders define their ops on
+  it as MindSpeed's do (``GMMOpBuilder.__init__``).
 """
 
 from __future__ import annotations
@@ -32,12 +33,14 @@ import torch
 from torch.library import Library
 
 from .. import reference
+from ..reference import _fam_gemm_comm as _gemm_ref
 from . import _raw
 from ._naming import own
 from ._ops import _opaque, _through
+from ._raw import reinterpret
 
-__all__ = ["EXTENSIONS", "MINDSPEED_LINES", "aclnn", "deregister_library", "library", "line",
-           "load", "register_library", "set_line"]
+__all__ = ["EXTENSIONS", "MINDSPEED_LINES", "aclnn", "arm_library", "atb_groupmatmul_add", "atb_matmul_add", "disarm_library",
+           "install_compiler", "library", "line", "load", "set_line", "uninstall_compiler"]
 
 MINDSPEED_LINES = ("core_r0.8.0", "master")
 """MindSpeed lines whose unpermute / permute C++ differ: ``master``'s
@@ -67,29 +70,30 @@ def line() -> str:
 # --------------------------------------------------------------------------- the mindspeed library
 
 
-def register_library() -> Library:
-    """MindSpeed's ``AS_LIBRARY``: ``Library("mindspeed", "DEF")``, empty until a stand-in
-    builder defines its ops (RuntimeError when the namespace is taken: a real MindSpeed)."""
-    if _state["library"] is not None:
-        raise RuntimeError("the emulated mindspeed library is already registered")
-    lib = Library(NAMESPACE, "DEF")
-    _state["library"] = lib
-    return lib
+def arm_library() -> None:
+    """While installed, :func:`library` defines MindSpeed's ``AS_LIBRARY`` at its first use:
+    a stand-in builder's, never at install, so a real MindSpeed imported later defines its own
+    ``Library("mindspeed", "DEF")`` (one namespace, one definer)."""
+    _state["armed"] = True
 
 
-def deregister_library(lib: Library) -> None:
-    """Drop every op defined on ``lib`` (``torch.ops.mindspeed.*`` goes with them)."""
-    if _state["library"] is lib:
-        _state["library"] = None
-    lib._destroy()
+def disarm_library() -> None:
+    """Drop the library, if a stand-in defined it (``torch.ops.mindspeed.*`` goes with it)."""
+    _state["armed"] = False
+    lib = _state["library"]
+    _state["library"] = None
+    if lib is not None:
+        lib._destroy()
 
 
 def library() -> Library:
-    """The installed emulation's ``AS_LIBRARY`` (RuntimeError when not installed)."""
-    lib = _state["library"]
-    if lib is None:
+    """The installed emulation's ``AS_LIBRARY``, ``Library("mindspeed", "DEF")``, defined at the
+    first call (RuntimeError when not installed)."""
+    if not _state.get("armed"):
         raise RuntimeError("the MindSpeed stand-ins need opcontracts.emulation.install()")
-    return lib  # type: ignore[no-any-return]
+    if _state["library"] is None:
+        _state["library"] = Library(NAMESPACE, "DEF")
+    return _state["library"]  # type: ignore[no-any-return]
 
 
 # --------------------------------------------------------------------------- the CANN kernels
@@ -345,6 +349,74 @@ def _rope_extension(module: types.ModuleType) -> None:
     own(module, [npu_rotary_position_embedding], public=False)
 
 
+def _ring_extension(module: types.ModuleType) -> None:
+    # mindspeed/ops/csrc/cann/npu_ring_attention_update.cpp: the three outputs allocated like
+    # the previous ones, aclnnRingAttentionUpdate, returned as a list
+    kernel = aclnn("npu_ring_attention_update")
+
+    def npu_ring_attention_update(prev_attn_out, prev_softmax_max, prev_softmax_sum,  # type: ignore[no-untyped-def]
+                                  cur_attn_out, cur_softmax_max, cur_softmax_sum,
+                                  actual_seq_qlen=None, layout="SBH"):
+        """npu ring attention update"""
+        out = kernel(prev_attn_out, prev_softmax_max, prev_softmax_sum, cur_attn_out,
+                     cur_softmax_max, cur_softmax_sum, actual_seq_qlen=actual_seq_qlen,
+                     input_layout=layout or "SBH")
+        return list(out)
+
+    own(module, [npu_ring_attention_update], public=False)
+
+
+def _write_back(grad: torch.Tensor, result: torch.Tensor) -> None:
+    """Store a kernel's fp32 accumulation in ``grad``, in place: as fp32 numbers when ``grad``
+    is fp32, else as the kernel writes them: fp32 bytes into a buffer of another dtype (as far
+    as it reaches; the rest of what the NPU kernel writes lies past its end)."""
+    if grad.dtype == result.dtype or not grad.is_contiguous():
+        grad.copy_(result)
+        return
+    raw = grad.view(-1).view(torch.uint8)
+    raw.copy_(result.contiguous().view(-1).view(torch.uint8)[: raw.numel()])
+
+
+def _as_fp32(grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` as the fp32-only kernel reads it (another dtype's bytes reinterpreted)."""
+    return grad if grad.dtype == torch.float32 else reinterpret(grad, torch.float32)
+
+
+def atb_matmul_add(x: torch.Tensor, weight: torch.Tensor, c: torch.Tensor) -> None:
+    """ATB's LinearOperation with transposeA and accumulation (mindspeed/ops/csrc/atb/
+    matmul_add.cpp): ``C += x.T @ weight`` in place, computed in fp32; ``C`` is read and
+    written as fp32 whatever its dtype (the kernel's)."""
+    with torch.no_grad():
+        _write_back(c, _gemm_ref.matmul_add_fp32(weight, x, _as_fp32(c)))
+
+
+def atb_groupmatmul_add(x: torch.Tensor, weight: torch.Tensor, group_list: torch.Tensor,
+                        grad: torch.Tensor) -> None:
+    """ATB's GroupedMatmulInplaceAddOperation (mindspeed/ops/csrc/atb/groupmatmul_add.cpp):
+    ``grad`` viewed as (G, K, N) gets ``x[rows_g].T @ weight[rows_g]`` added per group of rows
+    (``group_list`` cumulative), in place; computed as torch_npu's grouped matmul add (the
+    emulated out-of-place ``torch.ops.npu.npu_grouped_matmul_add``), written back into grad."""
+    view = grad.view(group_list.shape[0], x.shape[-1], weight.shape[-1])
+    with torch.no_grad():
+        _write_back(view, torch.ops.npu.npu_grouped_matmul_add(view, x, weight, group_list))
+
+
+def _matmul_add_extension(module: types.ModuleType) -> None:
+    def npu_matmul_add_fp32(x, weight, C):  # type: ignore[no-untyped-def]  # noqa: N803 - the binding's name
+        """matmul_add on ascend device"""
+        atb_matmul_add(x, weight, C)
+
+    own(module, [npu_matmul_add_fp32], public=False)
+
+
+def _groupmatmul_add_extension(module: types.ModuleType) -> None:
+    def npu_groupmatmul_add_fp32(x, weight, group_list, grad):  # type: ignore[no-untyped-def]
+        """matmul_add on ascend device"""
+        atb_groupmatmul_add(x, weight, group_list, grad)
+
+    own(module, [npu_groupmatmul_add_fp32], public=False)
+
+
 # --------------------------------------------------------------------------- load
 
 
@@ -354,6 +426,9 @@ EXTENSIONS: dict[str, Callable[[types.ModuleType], None]] = {
     "grouped_matmul": _gmm_extension,
     "grouped_matmul_v2": _gmm_extension,  # gmm.cpp built again (GMMV2OpBuilder)
     "npu_rotary_position_embedding": _rope_extension,
+    "npu_ring_attention_update": _ring_extension,
+    "npu_matmul_add_fp32": _matmul_add_extension,
+    "npu_groupmatmul_add_fp32": _groupmatmul_add_extension,
 }
 """The extensions by the name their builder gives ``torch.utils.cpp_extension.load``."""
 
@@ -368,3 +443,59 @@ def load(name: str) -> types.ModuleType:
     module.__opcontracts_emulation__ = True  # type: ignore[attr-defined]
     EXTENSIONS[name](module)
     return module
+
+
+# --------------------------------------------------------------------------- the JIT compiler
+# A real MindSpeed on sys.path (its op_builder/builder.py) builds its extensions with
+# ``torch.utils.cpp_extension.load(name=OP_NAME, sources=[ops/csrc/cann/*.cpp], ...)``, imported
+# by name when builder.py is imported.  While the emulation is installed that ``load`` returns
+# the emulated extension of a name it builds (:data:`EXTENSIONS`) and compiles anything else as
+# torch does (without CANN's headers that fails, as on a machine without CANN).  The builder
+# also reads the CANN root from ``ASCEND_HOME_PATH`` and, for its ATB ops (matmul add), the
+# NNAL root from ``ATB_HOME_PATH`` (set_env.sh of CANN and of cann-nnal set them on an NPU
+# machine); unset, the emulated machine's roots are this package's folder, which has no headers:
+# only the emulated extensions load.
+
+CANN_ROOT_VAR = "ASCEND_HOME_PATH"
+ROOT_VARS = (CANN_ROOT_VAR, "ATB_HOME_PATH")
+_compiler: dict[str, Any] = {}
+
+
+def _load(name: str, sources: Any = None, *args: Any, **kwargs: Any) -> Any:
+    if name in EXTENSIONS:
+        return load(name)
+    return _compiler["load"](name, sources, *args, **kwargs)
+
+
+def install_compiler() -> None:
+    """``torch.utils.cpp_extension.load`` serves the emulated extensions; ``ASCEND_HOME_PATH``
+    and ``ATB_HOME_PATH`` name the emulated roots when unset (put back by
+    :func:`uninstall_compiler`)."""
+    import os
+
+    import torch.utils.cpp_extension as cpp_extension
+
+    if _compiler:
+        return
+    _compiler["load"] = cpp_extension.load
+    cpp_extension.load = _load  # type: ignore[assignment]
+    root = os.path.dirname(os.path.abspath(__file__))
+    _compiler["roots"] = [var for var in ROOT_VARS if not os.environ.get(var)]
+    for var in _compiler["roots"]:
+        os.environ[var] = root
+    _compiler["root"] = root
+
+
+def uninstall_compiler() -> None:
+    import os
+
+    import torch.utils.cpp_extension as cpp_extension
+
+    if not _compiler:
+        return
+    if cpp_extension.load is _load:
+        cpp_extension.load = _compiler["load"]
+    for var in _compiler.get("roots", ()):
+        if os.environ.get(var) == _compiler["root"]:
+            del os.environ[var]
+    _compiler.clear()

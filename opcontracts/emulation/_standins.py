@@ -5,8 +5,15 @@ the module in ``exec_module``. So ``import mindspeed.ops.gmm`` and
 ``from mindspeed.ops.npu_moe_token_unpermute import npu_moe_token_unpermute`` go through the
 normal import system, and other import hooks (a patcher that wraps loaders, say) see these
 imports like any other. The finder sits just before ``PathFinder``: hooks inserted at the
-front of ``sys.meta_path`` (before or after ``install()``) run first, and a stray real
-``mindspeed`` checkout on ``sys.path`` is shadowed.
+front of ``sys.meta_path`` (before or after ``install()``) run first.
+
+A real MindSpeed is never shadowed: when ``import mindspeed`` finds a ``mindspeed`` package
+on ``sys.path`` (a test file inside a MindSpeed checkout, a ``pip install -e`` of it), the real
+package and every module below it are imported, and MindSpeed's own Python (its
+``megatron_adaptor``, which patches Megatron, its ``mindspeed.ops``) runs on the emulated
+torch_npu; its JIT-built extensions are the emulation's (``_jit``, through
+``torch.utils.cpp_extension.load``).  The stand-in ``mindspeed`` serves only where no real one
+is importable.
 
 Every module built here carries ``__opcontracts_emulation__ = True``; each load creates fresh
 function objects, so patches applied to one install do not leak into the next.
@@ -29,9 +36,8 @@ from . import _jit, _surface
 from . import _standin_gmm_util as _gmm_util
 from ._naming import own as _own
 from ._ops import NAMESPACE, OP_NAMES
-from ._raw import reinterpret
 
-__all__ = ["MARKER", "MODULE_NAMES", "StandinFinder", "is_standin"]
+__all__ = ["MARKER", "MODULE_NAMES", "StandinFinder", "is_standin", "real_mindspeed"]
 
 MARKER = "__opcontracts_emulation__"
 
@@ -438,22 +444,6 @@ def _swiglu_classes(module: types.ModuleType) -> list[type]:
     return [SwiGLUFunction, BiasSwiGLUFunction]
 
 
-def _write_back(grad: torch.Tensor, result: torch.Tensor) -> None:
-    """Store a kernel's fp32 accumulation in ``grad``, in place: as fp32 numbers when ``grad``
-    is fp32, else as the kernel writes them: fp32 bytes into a buffer of another dtype (as far
-    as it reaches; the rest of what the NPU kernel writes lies past its end)."""
-    if grad.dtype == result.dtype or not grad.is_contiguous():
-        grad.copy_(result)
-        return
-    raw = grad.view(-1).view(torch.uint8)
-    raw.copy_(result.contiguous().view(-1).view(torch.uint8)[: raw.numel()])
-
-
-def _as_fp32(grad: torch.Tensor) -> torch.Tensor:
-    """``grad`` as the fp32-only kernel reads it (another dtype's bytes reinterpreted)."""
-    return grad if grad.dtype == torch.float32 else reinterpret(grad, torch.float32)
-
-
 def npu_matmul_add_fp32(total_input, grad_output, grad):  # type: ignore[no-untyped-def]
     """MindSpeed's gradient accumulation into an fp32 main_grad (``mindspeed.ops.npu_matmul_add``,
     the ATB LinearOperation with transposeA and accumulation): ``grad += grad_output.T @
@@ -465,8 +455,7 @@ def npu_matmul_add_fp32(total_input, grad_output, grad):  # type: ignore[no-unty
     for dim in grad_output.shape:
         if dim == 0:
             return
-    with torch.no_grad():
-        _write_back(grad, _gemm_ref.matmul_add_fp32(total_input, grad_output, _as_fp32(grad)))
+    _jit.atb_matmul_add(grad_output, total_input, grad)
 
 
 def npu_matmul_add_fp16(total_input, grad_output, grad):  # type: ignore[no-untyped-def]
@@ -488,9 +477,7 @@ def npu_groupmatmul_add_fp32(x, dy, grouplist, grad):  # type: ignore[no-untyped
     (``grouplist`` cumulative), in place; returns None.  As MindSpeed on Ascend 950 (the ATB
     kernel of A2/A3 computes the same): through torch_npu's grouped matmul add, here the
     emulated out-of-place ``torch.ops.npu.npu_grouped_matmul_add``, written back into grad."""
-    view = grad.view(grouplist.shape[0], x.shape[-1], dy.shape[-1])
-    with torch.no_grad():
-        _write_back(view, _npu().npu_grouped_matmul_add(view, x, dy, grouplist))
+    _jit.atb_groupmatmul_add(x, dy, grouplist, grad)
 
 
 # --------------------------------------------------------------------------- MindSpeed's MC2
@@ -998,6 +985,26 @@ class _Builders:
 MODULE_NAMES: tuple[str, ...] = tuple(_Builders({}).table())
 
 
+_NEVER_SHADOWED = ("mindspeed", "acl")  # MindSpeed's Python, CANN's pyACL: the real ones win
+
+
+def _real_package(root: str) -> bool:
+    """Whether ``root`` of this process is (or, not yet imported, would be) the real package:
+    the one imported when it is not a stand-in, else one found on ``sys.path``."""
+    loaded = sys.modules.get(root)
+    if loaded is not None:
+        return not is_standin(loaded)
+    try:
+        return importlib.machinery.PathFinder.find_spec(root) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def real_mindspeed() -> bool:
+    """Whether the ``mindspeed`` of this process is a real MindSpeed (see :func:`_real_package`)."""
+    return _real_package("mindspeed")
+
+
 class _StandinLoader(importlib.abc.Loader):
     def __init__(self, builders: _Builders) -> None:
         self._builders = builders
@@ -1024,6 +1031,9 @@ class StandinFinder(importlib.abc.MetaPathFinder):
         path: Sequence[str] | None = None,
         target: types.ModuleType | None = None,
     ) -> importlib.machinery.ModuleSpec | None:
+        root = fullname.partition(".")[0]
+        if root in _NEVER_SHADOWED and _real_package(root):
+            return None  # the real package, and every module below it
         if fullname not in MODULE_NAMES:
             _surface.check_known(fullname)  # below a stand-in root: one clear error
             return None

@@ -12,7 +12,8 @@ Modules (each built from what the real one does; ``_testing``, ``_transfer``, ``
   ``_is_gte_cann_version``, the device, stream and dtype-support functions);
 * ``torchair`` with ``get_npu_backend`` / ``get_compiler`` (``torch.compile`` backends that
   run the captured graph eagerly on the emulated device), ``CompilerConfig``
-  (``torchair.configs.compiler_config``), ``use_internal_format_weight``, ``logger``;
+  (``torchair.configs.compiler_config``), ``use_internal_format_weight``, ``logger``, and
+  ``torchair.ge`` / ``register_fx_node_ge_converter`` (``_torchair_ge``: converters recorded);
 * ``mindspeed.megatron_adaptor``: imports ``torch_npu.contrib.transfer_to_npu`` and (when it
   is importable) ``megatron.training`` as MindSpeed's does; MindSpeed's patches to Megatron
   are not applied (``exe_adaptation`` does nothing): a Megatron module MindSpeed would route to
@@ -39,7 +40,7 @@ from typing import Any
 
 import torch
 
-from . import _npu_api, _testing, _transfer
+from . import _acl, _c10d, _npu_api, _profiler, _testing, _torchair_ge, _transfer
 from ._naming import own
 
 __all__ = ["DTYPES", "NEEDS_DEVICE", "PACKAGES", "NotEmulatedError", "check_known", "extend_torch_npu", "table"]
@@ -56,7 +57,7 @@ DTYPES: dict[str, int] = {name: 256 + acl for name, acl in (
 """``torch_npu.<name>``: torch_npu's DType values (aclDataType + 256)."""
 
 ROOTS = ("torch_npu", "mindspeed", "torchair")
-LAZY_SUBMODULES = ("utils", "contrib", "testing")  # torch_npu.<name> without importing it
+LAZY_SUBMODULES = ("utils", "contrib", "testing", "profiler", "_C")  # torch_npu.<name> without importing it
 
 
 class NotEmulatedError(ModuleNotFoundError):
@@ -115,6 +116,15 @@ def _utils(module: types.ModuleType) -> None:
     def get_cann_version(module="CANN"):  # type: ignore[no-untyped-def]
         """The CANN version (the emulation's: ``_npu_api.cann_version``)."""
         return _npu_api.cann_version(module)
+
+    own(module, [get_cann_version])
+
+
+def _collect_env(module: types.ModuleType) -> None:
+    def get_cann_version():  # type: ignore[no-untyped-def]
+        """The installed CANN's version, which torch_npu reads from the
+        ``ascend_*_install.info`` under ``ASCEND_HOME_PATH``: the emulated CANN's."""
+        return _npu_api.cann_version("CANN")
 
     own(module, [get_cann_version])
 
@@ -207,20 +217,24 @@ def _torchair(module: types.ModuleType) -> None:
     def use_internal_format_weight(model):  # type: ignore[no-untyped-def]
         return None  # one format (ND) on the emulated device
 
-    def register_fx_node_ge_converter(aten_op):  # type: ignore[no-untyped-def]
-        return lambda fn: fn  # no GE graph on the emulation
-
     def patch_for_hcom():  # type: ignore[no-untyped-def]
         return None
 
     def dynamo_export(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise NotImplementedError(not_emulated("torchair.dynamo_export", "function"))
 
-    own(module, [get_npu_backend, get_compiler, use_internal_format_weight,
-                 register_fx_node_ge_converter, patch_for_hcom, dynamo_export])
+    register_fx_node_ge_converter = _torchair_ge.register_fx_node_ge_converter
+    own(module, [get_npu_backend, get_compiler, use_internal_format_weight, patch_for_hcom,
+                 dynamo_export])
+    module.register_fx_node_ge_converter = register_fx_node_ge_converter  # type: ignore[attr-defined]
+    module.ge = importlib.import_module("torchair.ge")  # type: ignore[attr-defined]  # as torchair's __init__
     module.CompilerConfig = CompilerConfig  # type: ignore[attr-defined]
     module.logger = logging.getLogger("torchair")  # type: ignore[attr-defined]
-    module.__all__ += ["CompilerConfig", "logger"]  # type: ignore[attr-defined]
+    module.__all__ += ["CompilerConfig", "logger", "register_fx_node_ge_converter"]  # type: ignore[attr-defined]
+
+
+def _torchair_ge_module(module: types.ModuleType) -> None:
+    _torchair_ge.fill_ge(module, not_emulated)
 
 
 def _package(module: types.ModuleType) -> None:
@@ -251,13 +265,19 @@ def table() -> dict[str, Callable[[types.ModuleType], None]]:
     return {
         **_testing.TABLE,
         "torch_npu.utils": _utils,
+        "torch_npu.utils.collect_env": _collect_env,
+        "torch_npu.profiler": lambda m: _profiler.fill_profiler(m, not_emulated),
+        "torch_npu.profiler.profiler": lambda m: _profiler.fill_profiler_module(m, not_emulated),
         "torch_npu.npu.utils": _npu_utils,
         "torch_npu.contrib": _contrib,
         "torch_npu.contrib.transfer_to_npu": _transfer_to_npu,
         "torchair": _torchair,
         "torchair.configs": _package,
         "torchair.configs.compiler_config": _compiler_config,
+        "torchair.ge": _torchair_ge_module,
         "mindspeed.megatron_adaptor": _megatron_adaptor,
+        "acl": _acl.fill_acl,
+        "torch_npu._C": _c10d.fill_c,
     }
 
 
@@ -265,5 +285,5 @@ NEEDS_DEVICE = ("torch_npu.npu.utils", "torch_npu.contrib.transfer_to_npu",
                 "mindspeed.megatron_adaptor")
 """The stand-in modules that import only with the emulated device installed."""
 
-PACKAGES = ("torch_npu.testing", "torch_npu.utils", "torch_npu.contrib", "torchair",
-            "torchair.configs")
+PACKAGES = ("torch_npu.testing", "torch_npu.utils", "torch_npu.contrib", "torch_npu.profiler", "torchair",
+            "torchair.configs", "torchair.ge")

@@ -94,10 +94,10 @@ def npu_moe_token_permute_grad(
     acc = acc_dtype(grad_permuted_tokens)
     topk = _topk_of(indices)
     n_tokens = tokens.size(0)
-    rows = gather_rows(grad_permuted_tokens.to(acc), sorted_indices)
+    rows = gather_rows(grad_permuted_tokens, sorted_indices).to(acc)  # the rows, then widened
     owner = torch.arange(rows.size(0), device=rows.device) // topk
     out = rows.new_zeros((n_tokens, grad_permuted_tokens.size(1)))
-    out = scatter_add_rows(out, owner, rows)
+    out = scatter_add_rows(out, owner, rows, fresh=True)
     return out.to(grad_permuted_tokens.dtype)
 
 
@@ -120,7 +120,7 @@ def npu_moe_token_unpermute(
     _no_padded_mode(padded_mode)
     acc = acc_dtype(permuted_tokens)
     n_tokens, topk = _unpermute_shape(sorted_indices, probs)
-    rows = gather_rows(permuted_tokens.to(acc), sorted_indices.reshape(-1)[: n_tokens * topk])
+    rows = gather_rows(permuted_tokens, sorted_indices.reshape(-1)[: n_tokens * topk]).to(acc)
     if probs is not None:
         rows = rows * fit(probs.reshape(-1).to(acc), n_tokens * topk).unsqueeze(1)
     out = rows.view(n_tokens, topk, -1).sum(1)
@@ -146,18 +146,22 @@ def npu_moe_token_unpermute_grad(
     n_tokens, topk = _unpermute_shape(sorted_indices, probs)
     dest = sorted_indices.reshape(-1)[: n_tokens * topk]
     grad = fit(grad_unpermuted_tokens.to(acc).reshape(-1), n_tokens * permuted_tokens.size(1))
-    grad_slots = grad.view(n_tokens, 1, -1).expand(n_tokens, topk, -1).reshape(n_tokens * topk, -1)
-    weighted = grad_slots
-    if probs is not None:
-        weighted = grad_slots * fit(probs.reshape(-1).to(acc), n_tokens * topk).unsqueeze(1)
+    per_token = grad.view(n_tokens, 1, -1)  # each token's gradient, for each of its K slots
+    if probs is None:
+        weighted = per_token.expand(n_tokens, topk, -1).reshape(n_tokens * topk, -1)
+    else:
+        weights = fit(probs.reshape(-1).to(acc), n_tokens * topk).view(n_tokens, topk, 1)
+        weighted = (per_token * weights).view(n_tokens * topk, -1)
     grad_permuted = scatter_add_rows(
         torch.zeros(permuted_tokens.shape, dtype=acc, device=permuted_tokens.device),
         dest,
         weighted,
+        fresh=probs is not None,  # without probs, weighted may be a view of the caller's grad
     ).to(permuted_tokens.dtype)
     if probs is None:
         return grad_permuted, permuted_tokens.new_empty((0,))
-    per_slot = (gather_rows(permuted_tokens.to(acc), dest) * grad_slots).sum(1)
+    slots = gather_rows(permuted_tokens, dest).to(acc).view(n_tokens, topk, -1)
+    per_slot = (slots * per_token).sum(-1).reshape(-1)
     grad_probs = fit(per_slot, probs.numel()).view(probs.shape).to(probs.dtype)
     return grad_permuted, grad_probs
 

@@ -36,17 +36,22 @@ def gather_rows(src: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     if src.size(0) == 0:
         return src.new_zeros((idx.numel(), *src.shape[1:]))
     safe, valid = safe_index(idx, src.size(0))
-    rows = src.index_select(0, safe)
-    return rows * valid.view(-1, *([1] * (src.dim() - 1))).to(rows.dtype)
+    rows = src.index_select(0, safe)  # a fresh tensor: zeroed in place (no data-dependent branch)
+    return rows.masked_fill_(~valid.view(-1, *([1] * (src.dim() - 1))), 0)
 
 
-def scatter_add_rows(out: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``out[idx] += rows`` (out of place), dropping rows whose index is out of range."""
+def scatter_add_rows(out: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor,
+                     *, fresh: bool = False) -> torch.Tensor:
+    """``out[idx] += rows`` (out of place), dropping rows whose index is out of range.  With
+    ``fresh`` (``out`` and ``rows`` are buffers the caller made for this call) both are
+    written in place instead of copied."""
     if out.size(0) == 0:
         return out
     safe, valid = safe_index(idx, out.size(0))
-    rows = rows * valid.view(-1, *([1] * (rows.dim() - 1))).to(rows.dtype)
-    return out.index_add(0, safe, rows.to(out.dtype))
+    invalid = ~valid.view(-1, *([1] * (rows.dim() - 1)))
+    if fresh:
+        return out.index_add_(0, safe, rows.masked_fill_(invalid, 0).to(out.dtype))
+    return out.index_add(0, safe, rows.masked_fill(invalid, 0).to(out.dtype))
 
 
 def fit(flat: torch.Tensor, n: int) -> torch.Tensor:
