@@ -38,6 +38,9 @@ _DTYPES = {
     "int8": torch.int8, "uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32,
     "int64": torch.int64, "bool": torch.bool,
 }
+for _name, _attr in (("fp8_e4m3", "float8_e4m3fn"), ("fp8_e5m2", "float8_e5m2")):
+    if hasattr(torch, _attr):  # the fp8 data MindSpeed's recipes pass (torch >= 2.1)
+        _DTYPES[_name] = getattr(torch, _attr)
 _STACK_KEYS = ("torch_npu", "cann", "soc", "mindspeed")
 _KINDS = ("call", "bug")
 _EXPECT = ("ok", "violation")

@@ -99,3 +99,21 @@ def test_a_call_with_out_tensors_binds_to_the_release_schema(release: str) -> No
                           False, False, out=tuple(state))
         opcontracts.check("npu_apply_adam", 0.9, 0.999, 1e-3, 0.9, 0.999, 1e-8, grad,
                           False, False, var=state[0], m=state[1], v=state[2])
+
+
+def test_an_op_whose_only_schema_is_its_out_overload_takes_one_out_tuple() -> None:
+    """npu_hans_encode has no functional overload, only ``.out`` with four keyword-only out
+    tensors: MindSpeed's activation compression calls it as ``npu_hans_encode(x, statistic,
+    reshuff, out=(pdf, mantissa, fixed, var))``.  ``check`` binds that call (it raised a
+    TypeError) and still judges it; the out tensors by name bind too."""
+    names = [p.name for p in params_for(("torch.ops.npu.npu_hans_encode",), "2.7.1.post4") or []]
+    assert names == ["input", "statistic", "reshuff", "pdf", "mantissa", "fixed", "var", "out"]
+    x = torch.randn(64, 2, 256, dtype=torch.bfloat16)
+    outs = (torch.zeros(256, dtype=torch.int32), torch.zeros(16384, dtype=torch.bfloat16),
+            torch.zeros(4096, dtype=torch.bfloat16), torch.zeros(32768, dtype=torch.bfloat16))
+    with _stack(torch_npu="2.7.1.post4", soc="Ascend910B3"):
+        opcontracts.check("npu_hans_encode", x, True, False, out=outs)
+        opcontracts.check("npu_hans_encode", x, True, False, pdf=outs[0], mantissa=outs[1],
+                          fixed=outs[2], var=outs[3])
+        with pytest.raises(ContractViolation, match="input"):
+            opcontracts.check("npu_hans_encode", x.to(torch.int32), True, False, out=outs)

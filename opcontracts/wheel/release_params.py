@@ -42,10 +42,17 @@ def _params(release: str, op: str) -> tuple[Param, ...] | None:
     if not found:
         return None
     out = []
+    only_out = found[0].overload == "out"  # an op whose one schema is its out overload
     for p in found[0].params:
         has, value = _default(p.default)
+        if only_out and p.kw_only and not has:  # given by name, or all in one out=(...)
+            has = True
         out.append(Param(p.name, "KEYWORD_ONLY" if p.kw_only else "POSITIONAL_OR_KEYWORD",
                          value, has))
+    if only_out and not any(p.name == "out" for p in out):
+        # torch_npu's Python binding takes the out tensors as one out=(...) tuple
+        # (npu_hans_encode(x, statistic, reshuff, out=(pdf, mantissa, fixed, var)))
+        out.append(Param("out", "KEYWORD_ONLY", None, True))
     out_overload = next((s for s in found[1:] if s.overload == "out"), None)
     if out_overload is not None:  # a call with the out tensors binds too, as the guard binds it
         have = {p.name for p in out}
