@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import os
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -169,3 +171,23 @@ def atb_plugin_loaded(monkeypatch: pytest.MonkeyPatch) -> Callable[..., Any]:
     """``atb_plugin_loaded(schema, kernel)``: a context manager in which
     ``torch.ops.load_library`` defines that ATB op (see ``_atb_plugin_loaded``)."""
     return lambda schema, kernel: _atb_plugin_loaded(monkeypatch, schema, kernel)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "hf: runs transformers / accelerate (opt-in: OPCONTRACTS_HF_TESTS=1)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``hf`` are skipped unless OPCONTRACTS_HF_TESTS=1 in an environment with
+    transformers and accelerate (neither is a dependency); the reason says how to run them."""
+    if (os.environ.get("OPCONTRACTS_HF_TESTS") == "1"
+            and importlib.util.find_spec("transformers") is not None
+            and importlib.util.find_spec("accelerate") is not None):
+        return
+    for item in items:
+        if item.get_closest_marker("hf") is not None:
+            where = os.path.relpath(item.path, config.rootpath)
+            item.add_marker(pytest.mark.skip(
+                reason="opt-in: set OPCONTRACTS_HF_TESTS=1 in an environment with transformers "
+                       f"and accelerate (OPCONTRACTS_HF_TESTS=1 python -m pytest -q {where})"))

@@ -10,7 +10,6 @@ Needs transformers and accelerate (not dependencies of opcontracts) and a few mi
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -23,12 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "data" / "hf" / "moe_train.py"
 BF16_RTOL = 2 ** -7  # bf16's precision at 1: a loss near 5 agrees to about 0.04
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("OPCONTRACTS_HF_TESTS") != "1"
-    or importlib.util.find_spec("transformers") is None
-    or importlib.util.find_spec("accelerate") is None,
-    reason="opt-in: set OPCONTRACTS_HF_TESTS=1 in an environment with transformers and "
-           "accelerate (OPCONTRACTS_HF_TESTS=1 python -m pytest -q tests/test_hf_training.py)")
+pytestmark = pytest.mark.hf  # opt-in: OPCONTRACTS_HF_TESTS=1 (tests/conftest.py)
 
 
 def _losses(*argv: str, emulate: bool) -> list[float]:

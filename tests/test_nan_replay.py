@@ -530,10 +530,7 @@ with demo._environment() as mod, opcontracts.mode("off"):
 '''
 
 
-@pytest.mark.skipif(
-    __import__("os").environ.get("OPCONTRACTS_HF_TESTS") != "1"
-    or __import__("importlib.util").util.find_spec("transformers") is None,
-    reason="opt-in: OPCONTRACTS_HF_TESTS=1 with transformers installed")
+@pytest.mark.hf  # opt-in: OPCONTRACTS_HF_TESTS=1 (tests/conftest.py)
 def test_a_real_trainer_replays_its_bad_step(tmp_path: Path) -> None:
     import json
     import os

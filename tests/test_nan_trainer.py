@@ -11,7 +11,6 @@ Needs transformers and accelerate (not dependencies of opcontracts)::
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -23,12 +22,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "data" / "hf" / "nan_trainer.py"
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("OPCONTRACTS_HF_TESTS") != "1"
-    or importlib.util.find_spec("transformers") is None
-    or importlib.util.find_spec("accelerate") is None,
-    reason="opt-in: set OPCONTRACTS_HF_TESTS=1 in an environment with transformers and "
-           "accelerate (OPCONTRACTS_HF_TESTS=1 python -m pytest -q tests/test_nan_trainer.py)")
+pytestmark = pytest.mark.hf  # opt-in: OPCONTRACTS_HF_TESTS=1 (tests/conftest.py)
 
 
 def test_a_trainer_on_the_npu_device_skips_and_replays_its_one_bad_step(tmp_path: Path) -> None:

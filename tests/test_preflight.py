@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -334,10 +333,7 @@ def test_the_scripts_own_error_is_shown_as_python_shows_it(
     assert code == 1 and "ValueError: no such config" in out and "bad.py\", line 2" in out
 
 
-@pytest.mark.skipif(os.environ.get("OPCONTRACTS_HF_TESTS") != "1",
-                    reason="needs transformers: set OPCONTRACTS_HF_TESTS=1 and install it "
-                    "(python -m venv --system-site-packages VENV; VENV/bin/pip install "
-                    "transformers)")
+@pytest.mark.hf  # opt-in: OPCONTRACTS_HF_TESTS=1 (tests/conftest.py)
 def test_a_transformers_moe_model_from_a_full_size_config(workdir: Path) -> None:
     transformers: Any = pytest.importorskip("transformers")
     config = transformers.Qwen3MoeConfig(num_hidden_layers=2)  # the 30B-A3B sizes, 2 layers
