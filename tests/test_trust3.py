@@ -1,6 +1,5 @@
-"""Issue 20, "trust, round 3": the newest surfaces under bad input, and what a new user tripped
-on.  Each test is named after the item of the issue it proves and failed on the code before
-its fix."""
+"""The newer surfaces under bad input, and what a new user tripped on.  Each test is named
+after the item of the review list it proves (item N) and failed on the code before its fix."""
 
 from __future__ import annotations
 
