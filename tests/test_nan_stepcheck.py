@@ -72,3 +72,19 @@ def test_a_dtensor_gradient_is_judged_by_its_local_shard() -> None:
         assert torch.equal(plain.detach(), torch.ones(2))
     finally:
         dist.destroy_process_group()
+
+
+def test_gradients_of_several_param_groups_are_named_apart() -> None:
+    """Two parameter groups (a Trainer's: with and without weight decay): the non-finite
+    gradient is named by its index over the optimizer's parameters and its place in its group,
+    so two gradients never share a name; a parameter without a gradient still counts."""
+    a, b, c, d = (torch.nn.Parameter(torch.ones(n + 1)) for n in range(4))
+    opt = torch.optim.SGD([{"params": [a, b]}, {"params": [c, d], "weight_decay": 0.0}], lr=1.0)
+    with NanSentinel(always_on=True, on_nan="record") as s:
+        a.grad = torch.ones_like(a)           # b has no gradient
+        c.grad = torch.ones_like(c)
+        d.grad = torch.full_like(d, float("nan"))
+        opt.step()
+    (f,) = s.findings
+    assert f.nonfinite == ["gradient of parameter #3, #1 of param group 1 (float32, 4)"]
+    assert torch.equal(d.detach(), torch.ones(4))  # the step was skipped

@@ -239,21 +239,26 @@ class StepCheck:
 
     @staticmethod
     def _what(opt: Any, index: int, is_loss: bool) -> Any:
-        """(parameter names of its group or None, index in the group, the parameter) of the
-        ``index``-th tensor ``check`` judged, or "loss": the parameters are walked in the
-        order ``check`` gathered their gradients (a ``DTensor`` gradient's local shard is a
-        new tensor at every ``to_local()``: it is found by position, not by identity)."""
+        """(parameter names of its group or None, index in the group, the parameter, the
+        group's index or None when there is one group, the index over all the optimizer's
+        parameters) of the ``index``-th tensor ``check`` judged, or "loss": the parameters are
+        walked in the order ``check`` gathered their gradients (a ``DTensor`` gradient's local
+        shard is a new tensor at every ``to_local()``: it is found by position, not by
+        identity)."""
         if is_loss:
             return "loss"
-        n = 0
-        for group in opt.param_groups:
+        n = everyone = 0
+        groups = opt.param_groups
+        for gi, group in enumerate(groups):
             for i, p in enumerate(group["params"]):
                 g = p.grad
                 if g is not None and g.layout is _strided:
                     if n == index:
-                        return group.get("param_names"), i, p
+                        return (group.get("param_names"), i, p,
+                                gi if len(groups) > 1 else None, everyone)
                     n += 1
-        return None, -1, None
+                everyone += 1
+        return None, -1, None, None, -1
 
 
 def _name(what: Any, t: torch.Tensor) -> str:
@@ -261,7 +266,8 @@ def _name(what: Any, t: torch.Tensor) -> str:
     dtype = str(t.dtype).removeprefix("torch.")
     if what == "loss":
         return f"the loss ({dtype})"
-    pnames, i, _p = what
+    pnames, i, _p, group, everyone = what
     if pnames is not None and 0 <= i < len(pnames):
         return f"gradient of {pnames[i]} ({dtype}, {shape})"
-    return f"gradient of parameter #{i} ({dtype}, {shape})"
+    where = f", #{i} of param group {group}" if group is not None else ""
+    return f"gradient of parameter #{everyone}{where} ({dtype}, {shape})"
