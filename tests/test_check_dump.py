@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _check_dump_cli import as_json, run
 
 from opcontracts import cli
 from opcontracts._tools import msprobe_dump
@@ -22,18 +23,6 @@ WRONG = DATA / "stats_wrong"
 CLEAN = DATA / "stats_clean"
 TENSOR = DATA / "tensor_wrong"
 NPU = DATA / "stats_npu"
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, str, str]:
-    code = cli.main(["check-dump", *map(str, argv)])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def as_json(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, dict[str, Any]]:
-    code, out, err = run(capsys, *argv, "--json", "-")
-    assert err == ""
-    return code, json.loads(out)
 
 
 def _probs(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -13,10 +13,9 @@ from typing import Any
 import pytest
 import torch
 from _broken_kernels import NanGrad
+from _guarded_module import guarded_module
 
-import opcontracts.patch as patch
 from opcontracts import Arg, Contract
-from opcontracts._engine import registry
 from opcontracts._observers import layer
 from opcontracts.nan import NanSentinel
 
@@ -63,27 +62,13 @@ def _bad_backward(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture
 def ops() -> Iterator[types.ModuleType]:
-    was_patched = patch.is_applied()
-    before = {c.op for c in registry.all_contracts()}
-    mod = types.ModuleType(MOD)
     names = ("fused", "composite", "changing", "wrapper", "bad_backward")
-    for name in names:
-        setattr(mod, name, globals()[f"_{name}"])
-    sys.modules[MOD] = mod
-    patch.apply([Contract(f"g.{n}", {"a": Arg("fp32")} if n != "bad_backward" else
+    contracts = [Contract(f"g.{n}", {"a": Arg("fp32")} if n != "bad_backward" else
                           {"x": Arg("fp32")}, targets=[f"{MOD}.{n}"], source="test")
-                 for n in names])
-    _branch["composite"] = False
-    try:
+                 for n in names]
+    with guarded_module(MOD, {n: globals()[f"_{n}"] for n in names}, contracts) as mod:
+        _branch["composite"] = False
         yield mod
-    finally:
-        patch.unpatch()
-        del sys.modules[MOD]
-        for c in registry.all_contracts():
-            if c.op not in before:
-                registry.unregister(c.op)
-        if was_patched:
-            patch.apply()
 
 
 class Recorder(layer.Observer):

@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 import torch
 from _broken_kernels import NanGrad
+from _guarded_module import guarded_module
 from torch import nn
 
 import opcontracts
 import opcontracts.patch as patch
 from opcontracts import Arg, Contract, nan
-from opcontracts._engine import registry
 from opcontracts.nan import NanSentinel, NonFiniteError
 
 MOD = "nan_test_ops"
@@ -46,29 +46,12 @@ def _pair(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 @pytest.fixture
 def ops() -> Iterator[types.ModuleType]:
     """``nan_test_ops`` with four guarded functions; patch and registry restored after."""
-    was_patched = patch.is_applied()
-    before = {c.op for c in registry.all_contracts()}
-    mod = types.ModuleType(MOD)
-    for name, fn in (("good", _good), ("bad_forward", _bad_forward),
-                     ("bad_backward", _bad_backward), ("pair", _pair)):
-        setattr(mod, name, fn)
-    sys.modules[MOD] = mod
-    patch.apply([Contract(f"t.{name}", {"x": Arg("fp32")}, targets=[f"{MOD}.{name}"],
-                          source="test") for name in ("good", "bad_forward", "bad_backward",
-                                                      "pair")])
-    try:
+    fns = {"good": _good, "bad_forward": _bad_forward, "bad_backward": _bad_backward,
+           "pair": _pair}
+    with guarded_module(MOD, fns, [Contract(f"t.{name}", {"x": Arg("fp32")},
+                                            targets=[f"{MOD}.{name}"], source="test")
+                                   for name in fns]) as mod:
         yield mod
-    finally:
-        s = nan.active()
-        if s is not None:
-            s.disable()
-        patch.unpatch()
-        del sys.modules[MOD]
-        for c in registry.all_contracts():
-            if c.op not in before:
-                registry.unregister(c.op)
-        if was_patched:
-            patch.apply()
 
 
 def _current(rec: Any) -> Any:

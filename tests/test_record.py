@@ -3,7 +3,6 @@ contract file that a later run uses to flag drift."""
 
 from __future__ import annotations
 
-import sys
 import textwrap
 import types
 from collections.abc import Iterator
@@ -11,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from _guarded_module import guarded_module
 
 import opcontracts
-import opcontracts.patch as patch
 from opcontracts import Arg, Contract
 from opcontracts._engine import registry
 from opcontracts._observers import layer
@@ -37,24 +36,11 @@ def _plain(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
 def ops() -> Iterator[types.ModuleType]:
     """``record_test_ops.route`` guarded by a permissive contract (bf16 or fp32 probs, any k):
     the shipped-contract situation where a golden run is stricter than the rules."""
-    was_patched = patch.is_applied()
-    before = {c.op for c in registry.all_contracts()}
-    mod = types.ModuleType(MOD)
-    mod.route, mod.plain = _route, _plain
-    sys.modules[MOD] = mod
-    patch.apply([Contract("t.route", {"x": Arg(["bf16", "fp32"]),
-                                      "probs": Arg(["bf16", "fp32"], optional=True)},
-                          targets=[f"{MOD}.route"], source="test: permissive")])
-    try:
+    with guarded_module(MOD, {"route": _route, "plain": _plain},
+                        [Contract("t.route", {"x": Arg(["bf16", "fp32"]),
+                                              "probs": Arg(["bf16", "fp32"], optional=True)},
+                                  targets=[f"{MOD}.route"], source="test: permissive")]) as mod:
         yield mod
-    finally:
-        patch.unpatch()
-        del sys.modules[MOD]
-        for c in registry.all_contracts():
-            if c.op not in before:
-                registry.unregister(c.op)
-        if was_patched:
-            patch.apply()
 
 
 SCRIPT = """

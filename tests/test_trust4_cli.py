@@ -18,10 +18,9 @@ from typing import Any
 
 import pytest
 import torch
+from _guarded_module import guarded_module
 
-import opcontracts.patch as patch
-from opcontracts import Arg, Contract, nan
-from opcontracts._engine import registry
+from opcontracts import Arg, Contract
 from opcontracts.cli import main as cli_main
 from opcontracts.nan import NanSentinel
 
@@ -84,27 +83,11 @@ def _nan_grad(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture
 def mulops() -> Iterator[types.ModuleType]:
-    was_patched = patch.is_applied()
-    before = {c.op for c in registry.all_contracts()}
-    mod = types.ModuleType(MOD)
-    for name, fn in (("fused", _fused), ("composite", _composite), ("nan_grad", _nan_grad)):
-        setattr(mod, name, fn)
-    sys.modules[MOD] = mod
-    patch.apply([Contract(f"t4.{n}", {"x": Arg("fp32")}, targets=[f"{MOD}.{n}"], source="test")
-                 for n in ("fused", "composite", "nan_grad")])
-    try:
+    fns = {"fused": _fused, "composite": _composite, "nan_grad": _nan_grad}
+    with guarded_module(MOD, fns, [Contract(f"t4.{n}", {"x": Arg("fp32")},
+                                            targets=[f"{MOD}.{n}"], source="test")
+                                   for n in fns]) as mod:
         yield mod
-    finally:
-        s = nan.active()
-        if s is not None:
-            s.disable()
-        patch.unpatch()
-        del sys.modules[MOD]
-        for c in registry.all_contracts():
-            if c.op not in before:
-                registry.unregister(c.op)
-        if was_patched:
-            patch.apply()
 
 
 @pytest.mark.parametrize("always_on", [False, True])

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _check_dump_cli import as_json, run
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -40,18 +41,6 @@ TENSOR = DATA / "tensor_wrong"
 UNPERMUTE = "NPU.npu_moe_token_unpermute.0.forward"
 RMS_NORM = "NPU.npu_rms_norm.0.forward"
 OLD = ["--torch-npu", "2.13.0", "--cann", "8.0.RC3"]
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, str, str]:
-    code = cli.main(["check-dump", *map(str, argv)])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def as_json(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, dict[str, Any]]:
-    code, out, err = run(capsys, *argv, "--json", "-")
-    assert err == "", err
-    return code, json.loads(out)
 
 
 def edited(src: Path, dest: Path, api: str, change: Any) -> Path:
