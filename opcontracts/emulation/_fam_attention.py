@@ -197,36 +197,19 @@ def _dy(outputs: Any, grads: Any) -> torch.Tensor:
     return g if g is not None else torch.zeros_like(outputs[0])
 
 
-def _fa_backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[str, Any]:
-    """torch_npu's autograd formula (op-plugin derivatives.yaml): the grad kernel on the
-    forward's inputs, attention_out (result0) and softmax statistics (result1-3)."""
+def _fa_grad(kernel: str, inputs: dict[str, Any], outputs: Any, grads: Any,
+             **extra: Any) -> dict[str, Any]:
+    """torch_npu's autograd formula (op-plugin derivatives.yaml): the grad ``kernel`` on the
+    forward's inputs, attention_out (result0), softmax statistics (result1-3) and the dropout
+    seed and offset (result4-5)."""
     i = inputs
-    dq, dk, dv, dpse, dsink = _captured.call("npu_fusion_attention_grad",
+    dq, dk, dv, dpse, dsink = _captured.call(kernel,
         i["query"], i["key"], i["value"], _dy(outputs, grads), i["head_num"], i["input_layout"],
         pse=i["pse"], padding_mask=i["padding_mask"], atten_mask=i["atten_mask"],
         softmax_max=outputs[1], softmax_sum=outputs[2], softmax_in=outputs[3],
         attention_in=outputs[0], scale_value=i["scale"], keep_prob=i["keep_prob"],
         pre_tockens=i["pre_tockens"], next_tockens=i["next_tockens"],
-        inner_precise=i["inner_precise"], seed=outputs[4], offset=outputs[5],
-        numels=outputs[6], prefix=i["prefix"], actual_seq_qlen=i["actual_seq_qlen"],
-        actual_seq_kvlen=i["actual_seq_kvlen"], sparse_mode=i["sparse_mode"],
-        gen_mask_parallel=i["gen_mask_parallel"], sync=i["sync"],
-        softmax_layout=i["softmax_layout"], sink=i["sink"])
-    return {"query": dq, "key": dk, "value": dv,
-            "pse": dpse if i["pse"] is not None else None,
-            "sink": dsink if i["sink"] is not None else None}
-
-
-def _fa_v3_backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[str, Any]:
-    """v1's formula through the v3 grad kernel (the seed and offset as tensors)."""
-    i = inputs
-    dq, dk, dv, dpse, dsink = _captured.call("npu_fusion_attention_grad_v3",
-        i["query"], i["key"], i["value"], _dy(outputs, grads), i["head_num"], i["input_layout"],
-        pse=i["pse"], padding_mask=i["padding_mask"], atten_mask=i["atten_mask"],
-        softmax_max=outputs[1], softmax_sum=outputs[2], softmax_in=outputs[3],
-        attention_in=outputs[0], scale_value=i["scale"], keep_prob=i["keep_prob"],
-        pre_tockens=i["pre_tockens"], next_tockens=i["next_tockens"],
-        inner_precise=i["inner_precise"], seed=outputs[4], offset=outputs[5],
+        inner_precise=i["inner_precise"], seed=outputs[4], offset=outputs[5], **extra,
         prefix=i["prefix"], actual_seq_qlen=i["actual_seq_qlen"],
         actual_seq_kvlen=i["actual_seq_kvlen"], sparse_mode=i["sparse_mode"],
         gen_mask_parallel=i["gen_mask_parallel"], sync=i["sync"],
@@ -234,6 +217,16 @@ def _fa_v3_backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[st
     return {"query": dq, "key": dk, "value": dv,
             "pse": dpse if i["pse"] is not None else None,
             "sink": dsink if i["sink"] is not None else None}
+
+
+def _fa_backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[str, Any]:
+    """v1: the grad kernel, with the dropout mask's element count (result6)."""
+    return _fa_grad("npu_fusion_attention_grad", inputs, outputs, grads, numels=outputs[6])
+
+
+def _fa_v3_backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[str, Any]:
+    """v1's formula through the v3 grad kernel (the seed and offset as tensors)."""
+    return _fa_grad("npu_fusion_attention_grad_v3", inputs, outputs, grads)
 
 
 def _fa_v2_backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[str, Any]:
