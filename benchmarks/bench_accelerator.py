@@ -47,8 +47,9 @@ probs to the bf16-only unpermute) under ``always-on replay``: the seconds the re
 ``--decompose N`` splits the always-on step check's cost, inside the real step: N pairs each
 (as ``--paired``) of a step with stand-in optimizer hooks and a step without, the stand-ins
 doing ever more of what the check does (``time_parts``): hooks that return at once; the
-gradients gathered; their ``_foreach_norm``; the norms stacked; the stack read (the check's
-device work, all of it); the check itself (``StepCheck``: the verdict, the sentinel's own
+gradients gathered; their reduction (the check's own: on the CPU one ``cat`` of the small
+gradients and a ``sum``; on an accelerator ``_foreach_norm`` and a ``stack``); its read (the
+check's device work, all of it); the check itself (``StepCheck``: the verdict, the sentinel's own
 bookkeeping).  What a row adds to the one above is what that part costs in a training step,
 where a tight loop over the part alone (warm caches, no allocator churn) shows less.
 
@@ -160,7 +161,9 @@ def runner(step: Step, kind: str) -> Callable[[], None]:
 
 class OpCount:
     """ATen ops run through the dispatcher while active (a ``TorchDispatchMode``: forward,
-    backward, which the autograd engine runs with the mode, and the optimizer step)."""
+    backward, which the autograd engine runs with the mode, and the optimizer step), views
+    left out: a view (``view``, ``t``, ``expand``...) launches no kernel on a device, it makes
+    a new tensor over the same storage."""
 
     def __init__(self) -> None:
         self.ops = 0
@@ -174,7 +177,8 @@ class OpCount:
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                                    kwargs: Any = None) -> Any:
-                counter.ops += 1
+                if not func.is_view:
+                    counter.ops += 1
                 return func(*args, **(kwargs or {}))
 
         self._mode = Mode()
@@ -288,11 +292,15 @@ def time_paired(step: Step, kind: str, pairs: int,
     return spans
 
 
-PARTS = ("hooks", "gather", "+ norm", "+ stack", "+ read", "the check")
+PARTS = ("hooks", "gather", "+ reduce", "+ read", "the check")
 
 
 def _part(upto: int) -> Callable[[Any, Any, Any], None]:
-    """A step pre-hook doing the first ``upto`` of the check's parts (``PARTS``)."""
+    """A step pre-hook doing the first ``upto`` of the check's parts (``PARTS``): the
+    reduction is the check's own (``stepcheck._reduce``: on the CPU the flattened sums, on an
+    accelerator ``_foreach_norm`` and a stack)."""
+    from opcontracts._observers.stepcheck import _reduce
+
     tensor, strided = torch.Tensor, torch.strided
 
     def pre(opt: Any, _a: Any, _k: Any) -> None:
@@ -302,13 +310,10 @@ def _part(upto: int) -> Callable[[Any, Any, Any], None]:
               for p in group["params"] if (g := p.grad) is not None and g.layout is strided]
         if upto < 3:
             return
-        norms = torch._foreach_norm(gs, 2)
+        values = _reduce(gs)
         if upto < 4:
             return
-        stacked = torch.stack(norms)
-        if upto < 5:
-            return
-        stacked.tolist()
+        values.tolist()
     return pre
 
 
@@ -409,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(wall time; median and quartiles of the pairs' ratios)")
     p.add_argument("--decompose", type=int, default=0, metavar="N",
                    help="also split the always-on step check's cost inside the real step: N "
-                        "pairs per part (hooks, gather, norm, stack, read, the check)")
+                        "pairs per part (hooks, gather, reduce, read, the check)")
     p.add_argument("--replay", type=int, default=0, metavar="N",
                    help="also time the replay of the incident's bad step, N times")
     p.add_argument("--batch", type=int, default=None, metavar="B",

@@ -425,7 +425,8 @@ class NanSentinel(Observer):
             _active = self
             if self.stepwise:
                 if self._check is None:
-                    self._check = StepCheck(self._on_step, self._before_step, self.sync)
+                    self._check = StepCheck(self._on_step, sync=self.sync)
+                self._wire()
                 self._check.attach()
                 if self._first_watch and not self._watching:
                     self._watching = True
@@ -605,18 +606,21 @@ class NanSentinel(Observer):
         if scope is not None:
             scope.release()
 
-    def _on_step(self, v: StepVerdict) -> None:
-        """After the check of every ``optimizer.step()`` (the step is skipped already when
-        ``v`` is not finite)."""
+    def _finite_step(self) -> None:
+        """After the check of a finite ``optimizer.step()`` while the watch is armed (the
+        step check calls nothing at a finite step otherwise): disarm after ``arm_steps``."""
         armed = self._armed
-        if v.finite:
-            if armed is not None and armed.culprit is None:
-                self._armed_finite += 1
-                if self._armed_finite >= self.arm_steps:
-                    armed.reproduced = False
-                    armed.note = f"saw no NaN recur in {self.arm_steps} step(s), and was disarmed"
-                    self._disarm()
-            return
+        if armed is not None and armed.culprit is None:
+            self._armed_finite += 1
+            if self._armed_finite >= self.arm_steps:
+                armed.reproduced = False
+                armed.note = f"saw no NaN recur in {self.arm_steps} step(s), and was disarmed"
+                self._disarm()
+
+    def _on_step(self, v: StepVerdict) -> None:
+        """After the check of an ``optimizer.step()`` found non-finite (the step is skipped
+        already)."""
+        armed = self._armed
         f = StepFinding(v.step, v.nonfinite, v.nonfinite_count, v.checked, ranks_bad=v.ranks_bad)
         if v.step == 1 and self._found.first is not None and not self._findings:
             f.how, f.culprit, f.reproduced, f.at_step = "watched", self._found.first, True, 1
@@ -661,9 +665,19 @@ class NanSentinel(Observer):
         elif self._received is not None and armed.received is None:
             armed.received = self._received
 
+    def _wire(self) -> None:
+        """Hand the step check only the callbacks the state needs: a finite step with no
+        watch armed (and the first step's watch over) calls nothing of the sentinel."""
+        check = self._check
+        if check is not None:
+            armed = self._armed is not None
+            check.before = self._before_step if armed or self._first_watch else None
+            check.on_finite = self._finite_step if armed else None
+
     def _arm(self, f: StepFinding) -> None:
         self._armed = f
         self._armed_finite = 0
+        self._wire()
         self._keep_budget = 0  # a long run: no tensor of the job kept
         self._pending.clear()
         self._watching = True
@@ -671,6 +685,7 @@ class NanSentinel(Observer):
 
     def _disarm(self) -> None:
         self._armed = None
+        self._wire()
         if self._watching:
             self._watching = False
             layer.detach(self)
@@ -716,8 +731,8 @@ class NanSentinel(Observer):
         if error is not None:
             f.note = f"the replay raised {type(error).__name__}: {error}"
         elif opt is not None:
-            again = check.check(opt)
-            f.reproduced = not again.finite or f.culprit is not None
+            again = check.check(opt)  # None: finite
+            f.reproduced = again is not None or f.culprit is not None
         else:
             f.reproduced = f.culprit is not None or f.received is not None
         f.replay_s = time.perf_counter() - t0
