@@ -6,12 +6,16 @@ grow with the guarded calls: nothing is hooked per call, no kernel is launched p
 every ``optimizer.step()`` of any ``torch.optim.Optimizer`` (torch's global step pre-hook):
 
 * the gradients of the optimizer's parameters (and the loss, when the user handed it over
-  with ``loss()``) go through ``torch._foreach_norm`` (one multi-tensor kernel per device on
-  an accelerator, the reduction ``clip_grad_norm_`` runs; torch_npu has it: op-plugin's
-  ``_foreach_norm.Scalar``): a NaN or an infinity anywhere makes that tensor's norm
-  non-finite; the norms are stacked and read back in ONE host read (``tolist``);
+  with ``loss()``) are reduced by the device's cheapest complete reduction (``_reduce``): on
+  an accelerator ``torch._foreach_norm`` (one multi-tensor kernel, no copy, the reduction
+  ``clip_grad_norm_`` runs; torch_npu has it: op-plugin's ``_foreach_norm.Scalar``) and a
+  ``stack``; on the CPU, where torch runs a foreach op as one kernel call per tensor, the
+  small gradients flattened into bounded buffers and each buffer summed (one flatten and one
+  sum for a model of up to 2M gradient elements), large ones summed alone.  A NaN or an
+  infinity anywhere makes the reduction non-finite; it is read back in ONE host read
+  (``tolist``);
 * in a distributed job (a process group of more than one rank) the step is judged the same on
-  every rank: the count of non-finite norms is summed over the ranks first (one
+  every rank: the count of ranks with a non-finite reduction is summed over the ranks first (one
   ``all_reduce`` of one number, before the read), so that every rank skips, and replays, the
   same steps;
 * a step found non-finite is skipped as AMP's ``GradScaler`` skips it: the gradients are set
@@ -19,9 +23,10 @@ every ``optimizer.step()`` of any ``torch.optim.Optimizer`` (torch's global step
   parameter and its state alone) and put back by the step post-hook, so the parameters are
   still those the bad step started from, and the gradients are what the step made.
 
-A 2-norm can overflow on huge finite values (its squares exceed the dtype's range): a
-tensor whose norm is not finite is confirmed exactly (``isfinite(t).all()``) before the step is
-called bad, which costs reads on that step only.
+A 2-norm or a sum can overflow on huge finite values (float16 is summed in float32, whose
+range ordinary gradients do not reach): a non-finite reduction is confirmed exactly, tensor by
+tensor (``isfinite(t).all()``), before the step is called bad, which costs one more read on
+that step only.
 
 Gradients that are a ``DTensor`` (FSDP2) are checked through their local shard; sparse ones
 are not checked.
