@@ -8,8 +8,15 @@ pytree so tensors anywhere in the call are differentiable.
 
 A backward formula is a plain function ``backward(inputs, outputs, grads) -> {name: grad}``:
 ``inputs`` maps every schema argument name to its value, ``outputs`` and ``grads`` have the
-op's output structure. Names it leaves out get no gradient. The kernel saves all tensor inputs
-and outputs for backward, which is simple and fine for an emulation.
+op's output structure. Names it leaves out get no gradient.
+
+What the node keeps for backward is the formula's to say, as torch_npu's generated nodes keep
+what their formula reads (``Functions.h``: one ``SavedVariable`` per saved argument or
+``resultN``): a formula marked with :func:`saving` has only those tensors saved (through
+``save_for_backward``, so saved-tensor hooks see exactly them); every other tensor argument or
+output reaches it as a meta tensor of the same shape and dtype (what a node keeps as
+``sym_argsize`` / ``scalar_type``), which holds no memory.  An unmarked formula has every
+tensor input and output saved.
 """
 
 from __future__ import annotations
@@ -21,9 +28,25 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["BackwardFn", "make_autograd_kernel"]
+__all__ = ["BackwardFn", "make_autograd_kernel", "saving"]
 
 BackwardFn = Callable[[dict[str, Any], Any, Any], dict[str, Any]]
+
+
+def saving(*saved: str | int) -> Callable[[BackwardFn], BackwardFn]:
+    """Mark a backward formula with what its node saves: argument names and output indices
+    (``resultN`` of ``Functions.h``)."""
+
+    def mark(fn: BackwardFn) -> BackwardFn:
+        fn.saves = frozenset(saved)  # type: ignore[attr-defined]
+        return fn
+
+    return mark
+
+
+def _shape_only(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's shape and dtype, no data (what a node keeps of a tensor it does not save)."""
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
 
 
 @dataclass
@@ -31,6 +54,7 @@ class _CallInfo:
     keyset: Any
     in_spec: pytree.TreeSpec
     out_spec: pytree.TreeSpec | None = None
+    leaf_names: list[str] | None = None  # the argument each input leaf belongs to (``saving``)
 
 
 def make_autograd_kernel(op: torch._ops.OpOverload, backward: BackwardFn) -> Callable[..., Any]:
@@ -39,6 +63,7 @@ def make_autograd_kernel(op: torch._ops.OpOverload, backward: BackwardFn) -> Cal
     names = [a.name for a in schema.arguments]
     kwarg_only = [a.kwarg_only for a in schema.arguments]
     after_autograd = torch._C._after_autograd_keyset
+    saves: frozenset[str | int] | None = getattr(backward, "saves", None)
 
     def redispatch(keyset: Any, values: list[Any]) -> Any:
         args = [v for v, kw in zip(values, kwarg_only, strict=True) if not kw]
@@ -54,10 +79,19 @@ def make_autograd_kernel(op: torch._ops.OpOverload, backward: BackwardFn) -> Cal
             flat_out, info.out_spec = pytree.tree_flatten(out)
             in_pos = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
             out_pos = [i for i, v in enumerate(flat_out) if isinstance(v, torch.Tensor)]
-            ctx.save_for_backward(*(flat[i] for i in in_pos), *(flat_out[i] for i in out_pos))
-            ctx.info = info
             ctx.in_plain = [None if isinstance(v, torch.Tensor) else v for v in flat]
             ctx.out_plain = [None if isinstance(v, torch.Tensor) else v for v in flat_out]
+            if saves is not None:  # the formula's own: the rest by shape and dtype only
+                assert info.leaf_names is not None
+                kept_in = [i for i in in_pos if info.leaf_names[i] in saves]
+                kept_out = [i for i in out_pos if i in saves]
+                for i in set(in_pos) - set(kept_in):
+                    ctx.in_plain[i] = _shape_only(flat[i])
+                for i in set(out_pos) - set(kept_out):
+                    ctx.out_plain[i] = _shape_only(flat_out[i])
+                in_pos, out_pos = kept_in, kept_out
+            ctx.save_for_backward(*(flat[i] for i in in_pos), *(flat_out[i] for i in out_pos))
+            ctx.info = info
             ctx.in_pos, ctx.out_pos = in_pos, out_pos
             return tuple(flat_out)
 
@@ -100,6 +134,9 @@ def make_autograd_kernel(op: torch._ops.OpOverload, backward: BackwardFn) -> Cal
         if not needs_grad:
             return redispatch(keyset, values)
         info = _CallInfo(keyset=keyset, in_spec=spec)
+        if saves is not None:
+            info.leaf_names = [n for n, v in zip(names, values, strict=True)
+                               for _ in pytree.tree_leaves(v)]
         flat_out = Generated.apply(info, *flat)
         assert info.out_spec is not None
         return pytree.tree_unflatten(list(flat_out), info.out_spec)

@@ -9,15 +9,17 @@ one it would see on the NPU.  Only the glue's checks live here: what the kernel 
 tolerates is the reference's business, what the documentation allows the contracts'.
 
 Each check takes the op's arguments by name (``checks(name)(**bound)``) and raises or returns.
+
+The glue also decides some of what an op returns around the kernel's result (``outputs``): an
+output that is only kept for the backward node, which the glue hands over or leaves undefined.
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["GLUE_CHECKS", "checks"]
+__all__ = ["GLUE_CHECKS", "GLUE_OUTPUTS", "checks", "outputs"]
 
 _IN_NOT_SPLIT_OUT_NOT_SPLIT, _IN_SPLIT_OUT_NOT_SPLIT = 0, 1
 _GROUP_TYPES = (-1, 0, 2)  # DEFAULT_SPLIT, M_SPLIT, K_SPLIT
@@ -67,13 +69,12 @@ def _grouped_matmul(args: Mapping[str, Any], *, tensor_group_list: bool) -> None
 
 
 def _on_ascend950() -> bool:
-    """Whether the emulated device reports an Ascend 950 (the glue skips some checks there)."""
-    module = sys.modules.get("torch_npu")
-    get = getattr(getattr(module, "npu", None), "get_device_name", None)
-    try:
-        return bool(get is not None and str(get()).startswith("Ascend950"))
-    except Exception:  # noqa: BLE001 - no device installed: the default chip, an A2
-        return False
+    """Whether the emulated device reports an Ascend 950 (the glue skips some checks there);
+    without the device, the default chip (an A2).  Asked of the device emulation, not of
+    ``torch_npu``: the glue runs whether or not the caller imported it."""
+    from . import _device
+
+    return _device.installed() and _device.reported_soc().startswith("Ascend950")
 
 
 def _rotary_mode(op: str) -> Callable[[Mapping[str, Any]], None]:
@@ -109,3 +110,36 @@ GLUE_CHECKS: dict[str, Callable[[Mapping[str, Any]], None]] = {
 def checks(name: str) -> Callable[[Mapping[str, Any]], None] | None:
     """The glue's checks of ``name`` (``op`` or ``op.overload``), or None when it has none."""
     return GLUE_CHECKS.get(name)
+
+
+def _unpermute_for_backward(args: Mapping[str, Any], out: Any, *, fake: bool) -> Any:
+    """op-plugin MoeTokenUnpermuteKernelNpuOpApi.cpp (master from 2026-07, dc5f694a "Optimize
+    moe token unpermute backward memory" and e17530db; the releases with
+    ``_npu_moe_token_unpermute``: 2.7.1.post11, 2.9.0.post9, 2.12.0.post3, 2.13, 2.14): the
+    second output, ``permuted_tokens_for_backward``, is what ``NpuMoeTokenUnpermuteBackward0``
+    saves (``Functions.h``: ``probs_``, ``sorted_indices_``, ``permuted_tokens_for_backward_``,
+    no ``permuted_tokens_``).  The glue returns ``permuted_tokens`` itself there when ``probs``
+    is given, before CANN 9.1.0 or on an Ascend 950, and an undefined tensor (None) otherwise:
+    the backward then keeps no permuted tokens alive.  The fake returns a new tensor where the
+    kernel returns the input (a fake aliasing its input is refused)."""
+    from . import _npu_api
+
+    unpermuted, _ = out
+    tokens = args["permuted_tokens"]
+    keep = (args.get("probs") is not None or not _npu_api.is_gte_cann_version("9.1.0")
+            or _on_ascend950())
+    if not keep:
+        return unpermuted, None
+    return unpermuted, (tokens.new_empty(tokens.shape) if fake else tokens.detach())
+
+
+GLUE_OUTPUTS: dict[str, Callable[..., Any]] = {
+    "_npu_moe_token_unpermute": _unpermute_for_backward,
+}
+"""Per op, what the glue makes of the kernel's outputs: ``(arguments, outputs, fake=) ->
+outputs``."""
+
+
+def outputs(name: str) -> Callable[..., Any] | None:
+    """The glue's treatment of ``name``'s outputs, or None when it returns the kernel's."""
+    return GLUE_OUTPUTS.get(name)

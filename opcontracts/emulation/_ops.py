@@ -212,9 +212,22 @@ def _before(fn: Callable[..., Any], hook: Callable[[Any], None] | None) -> Calla
     return entry
 
 
-def _glued(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` behind the checks torch_npu's C++ glue makes for ``name`` (``_glue``), if any."""
-    return _before(fn, _glue.checks(name))
+def _glued(name: str, fn: Callable[..., Any], fake: bool = False) -> Callable[..., Any]:
+    """``fn`` behind the checks torch_npu's C++ glue makes for ``name`` (``_glue``), if any,
+    and its outputs as the glue hands them back (``_glue.outputs``)."""
+    fn = _before(fn, _glue.checks(name))
+    after = _glue.outputs(name)
+    if after is None:
+        return fn
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def entry(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return after(bound.arguments, fn(*args, **kwargs), fake=fake)
+
+    return entry
 
 
 def _drawing(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -323,7 +336,8 @@ def _register_op(lib: Library, op: OpDef, backward: BackwardFn | None, internal:
             kernel = _writing_into(kernel, op.kernel, op.writes)
         lib.impl(entry_name, _opaque(_glued(op.name, kernel)), "CompositeExplicitAutograd")
     torch.library.register_fake(
-        qualified, _glued(op.name, _through(_raw.fake_view, view_name, op.fake)), lib=lib)
+        qualified, _glued(op.name, _through(_raw.fake_view, view_name, op.fake), fake=True),
+        lib=lib)
     if backward is not None and not public_only:
         overload = getattr(getattr(torch.ops, NAMESPACE), op.name).default
         lib.impl(op.name, make_autograd_kernel(overload, backward), "Autograd", with_keyset=True)
@@ -377,7 +391,8 @@ def _register_overload(lib: Library, op: OpDef, overload: str, names: tuple[str,
              "CompositeExplicitAutograd")
     torch.library.register_fake(
         f"{NAMESPACE}::{qualified}",
-        _glued(qualified, _through(_raw.fake_view, op.name, _with_tensors(op.fake, names, fake=True))),
+        _glued(qualified, _through(_raw.fake_view, op.name, _with_tensors(op.fake, names, fake=True)),
+               fake=True),
         lib=lib)
     if backward is not None:
         ov = getattr(getattr(getattr(torch.ops, NAMESPACE), op.name), overload)

@@ -182,10 +182,11 @@ def _npu_moe_token_unpermute(
     restore_shape: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``npu_moe_token_unpermute``'s kernel, also returning what its backward needs
-    (``permuted_tokens_for_backward``: the permuted tokens, a copy)."""
+    (``permuted_tokens_for_backward``: the permuted tokens themselves, not a copy; op-plugin's
+    glue returns them, or nothing, by its own rule)."""
     out = npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs, padded_mode,
                                   restore_shape)
-    return out, permuted_tokens.detach().clone()  # not differentiable (only saved)
+    return out, permuted_tokens.detach()  # not differentiable (only saved)
 
 
 def npu_moe_token_unpermute_grad_v2(

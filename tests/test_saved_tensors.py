@@ -1,0 +1,133 @@
+"""What the emulated ops' backward nodes keep alive: the tensors the release's node saves
+(``Functions.h`` of the wheels: one ``SavedVariable`` each), nothing more, as a saved-tensor
+hook (activation offloading, msprobe-style memory tools) sees on the NPU.
+
+From the releases with ``_npu_moe_token_unpermute`` its node saves ``probs``,
+``sorted_indices`` and the op's second output, which op-plugin's glue makes the permuted
+tokens themselves only when ``probs`` is given, before CANN 9.1.0 or on an Ascend 950, and
+leaves undefined otherwise (op-plugin master, "Optimize moe token unpermute backward memory").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import opcontracts
+from opcontracts import emulation, patch
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture
+def release(request: pytest.FixtureRequest) -> Iterator[str]:
+    version = request.param
+    was = patch.is_applied()
+    emulation.install("wide", version=version)
+    try:
+        yield version
+    finally:
+        emulation.uninstall()
+        opcontracts.set_versions(cann=None, soc=None)
+        if not was:
+            patch.unpatch()
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _saved_by_unpermute(probs: bool) -> tuple[set[int], dict[str, int], Any]:
+    """The storages the unpermute's node saves (through saved-tensor hooks), the inputs'
+    storages, and the gradients."""
+    import torch_npu  # type: ignore[import-not-found]  # the emulation's stand-in
+
+    gen = torch.Generator().manual_seed(0)
+    tokens = (torch.randint(-8, 9, (6, 16), generator=gen) / 8).to(BF16)
+    indices = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0], [0, 2], [1, 3]])
+    permuted, sorted_indices = torch_npu.npu_moe_token_permute(tokens, indices)
+    permuted = permuted.detach().requires_grad_()
+    p = (torch.randint(1, 9, (6, 2), generator=gen) / 8).to(BF16).requires_grad_() if probs \
+        else None
+    saved: set[int] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.add(_storage(t))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = torch_npu.npu_moe_token_unpermute(permuted, sorted_indices, probs=p)
+    out.float().sum().backward()
+    storages = {"permuted": _storage(permuted), "sorted_indices": _storage(sorted_indices)}
+    if p is not None:
+        storages["probs"] = _storage(p)
+    assert permuted.grad is not None
+    return saved, storages, (permuted.grad, None if p is None else p.grad)
+
+
+@pytest.mark.parametrize("release", ["2.13.0", "2.14.0"], indirect=True)
+def test_without_probs_on_cann_9_1_the_permuted_tokens_are_not_kept(release: str) -> None:
+    opcontracts.set_versions(cann="9.1.0")
+    saved, storages, grads = _saved_by_unpermute(probs=False)
+    assert storages["permuted"] not in saved
+    assert storages["sorted_indices"] in saved
+    opcontracts.set_versions(cann="8.0.RC3")  # the glue keeps them before 9.1.0
+    saved_old, storages_old, grads_old = _saved_by_unpermute(probs=False)
+    assert storages_old["permuted"] in saved_old
+    torch.testing.assert_close(grads[0], grads_old[0])  # the same gradient either way
+
+
+@pytest.mark.parametrize("release", ["2.14.0"], indirect=True)
+def test_with_probs_the_permuted_tokens_are_kept_and_not_copied(release: str) -> None:
+    opcontracts.set_versions(cann="9.1.0")
+    saved, storages, grads = _saved_by_unpermute(probs=True)
+    assert {storages["permuted"], storages["probs"], storages["sorted_indices"]} <= saved
+    assert len(saved) == 3  # nothing else: not the output, not a copy of the tokens
+    assert grads[1] is not None
+
+
+def test_on_an_ascend_950_the_permuted_tokens_are_kept() -> None:
+    from opcontracts.emulation import _glue
+
+    was = patch.is_applied()
+    emulation.install("wide", version="2.14.0", device="Ascend950PR")  # the device it reports
+    try:
+        opcontracts.set_versions(cann="9.1.0")
+        assert _glue._on_ascend950()
+        saved, storages, _ = _saved_by_unpermute(probs=False)
+    finally:
+        emulation.uninstall()
+        opcontracts.set_versions(cann=None, soc=None)
+        if not was:
+            patch.unpatch()
+    assert storages["permuted"] in saved
+
+
+@pytest.mark.parametrize("release", ["2.12.0"], indirect=True)
+def test_the_plain_unpermute_node_saves_its_three_inputs_and_not_its_output(release: str
+                                                                            ) -> None:
+    """2.12.0's ``NpuMoeTokenUnpermuteBackward0`` (on the public op): ``permuted_tokens_``,
+    ``probs_``, ``sorted_indices_``."""
+    saved, storages, _ = _saved_by_unpermute(probs=True)
+    assert saved == set(storages.values())
+
+
+@pytest.mark.parametrize("release", ["2.14.0"], indirect=True)
+def test_a_node_saves_what_its_formula_reads_and_keeps_the_rest_by_shape(release: str) -> None:
+    """``NpuSwigluBackward0`` saves ``self_`` only: the output is not kept, and the backward
+    still runs (the rest reaches it by shape and dtype)."""
+    import torch_npu
+
+    x = torch.randn(4, 8, dtype=torch.float32, requires_grad=True)
+    kept: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        y = torch_npu.npu_swiglu(x, dim=-1)
+    assert [_storage(t) for t in kept] == [_storage(x)]
+    y.sum().backward()
+    a, b = x.detach().chunk(2, dim=-1)
+    expected = torch.cat([torch.sigmoid(a) * (1 + a * (1 - torch.sigmoid(a))) * b,
+                          a * torch.sigmoid(a)], dim=-1)
+    torch.testing.assert_close(x.grad, expected, rtol=1e-4, atol=1e-4)
