@@ -10,30 +10,24 @@ leaves undefined otherwise (op-plugin master, "Optimize moe token unpermute back
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
 
 import opcontracts
-from opcontracts import emulation, patch
 
 BF16 = torch.bfloat16
 
 
 @pytest.fixture
-def release(request: pytest.FixtureRequest) -> Iterator[str]:
-    version = request.param
-    was = patch.is_applied()
-    emulation.install("wide", version=version)
+def release(request: pytest.FixtureRequest, emulated: Callable[..., None]) -> Iterator[str]:
+    emulated("wide", version=request.param)
     try:
-        yield version
+        yield request.param
     finally:
-        emulation.uninstall()
-        opcontracts.set_versions(cann=None, soc=None)
-        if not was:
-            patch.unpatch()
+        opcontracts.set_versions(cann=None)
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -89,20 +83,16 @@ def test_with_probs_the_permuted_tokens_are_kept_and_not_copied(release: str) ->
     assert grads[1] is not None
 
 
-def test_on_an_ascend_950_the_permuted_tokens_are_kept() -> None:
+def test_on_an_ascend_950_the_permuted_tokens_are_kept(emulated: Callable[..., None]) -> None:
     from opcontracts.emulation import _glue
 
-    was = patch.is_applied()
-    emulation.install("wide", version="2.14.0", device="Ascend950PR")  # the device it reports
+    emulated("wide", version="2.14.0", device="Ascend950PR")  # the device it reports
+    opcontracts.set_versions(cann="9.1.0")
     try:
-        opcontracts.set_versions(cann="9.1.0")
         assert _glue._on_ascend950()
         saved, storages, _ = _saved_by_unpermute(probs=False)
     finally:
-        emulation.uninstall()
-        opcontracts.set_versions(cann=None, soc=None)
-        if not was:
-            patch.unpatch()
+        opcontracts.set_versions(cann=None)
     assert storages["permuted"] in saved
 
 

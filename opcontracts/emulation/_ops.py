@@ -195,10 +195,12 @@ def _through(view: Callable[[str, str, Any], Any], name: str, fn: Callable[..., 
     return entry
 
 
-def _before(fn: Callable[..., Any], hook: Callable[[Any], None] | None) -> Callable[..., Any]:
-    """``fn`` with ``hook`` given its bound arguments (defaults applied) first; ``fn`` itself
-    when there is no hook.  ``hook`` may set arguments (a draw), which ``fn`` then gets."""
-    if hook is None:
+def _before(fn: Callable[..., Any], hook: Callable[[Any], None] | None,
+            after: Callable[..., Any] | None = None) -> Callable[..., Any]:
+    """``fn`` with ``hook`` given its bound arguments (defaults applied) first, and with
+    ``after(arguments, result)`` making what it returns; ``fn`` itself when there is neither.
+    ``hook`` may set arguments (a draw), which ``fn`` then gets."""
+    if hook is None and after is None:
         return fn
     signature = inspect.signature(fn)
 
@@ -206,8 +208,10 @@ def _before(fn: Callable[..., Any], hook: Callable[[Any], None] | None) -> Calla
     def entry(*args: Any, **kwargs: Any) -> Any:
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        hook(bound.arguments)
-        return fn(*bound.args, **bound.kwargs)
+        if hook is not None:
+            hook(bound.arguments)
+        out = fn(*bound.args, **bound.kwargs)
+        return out if after is None else after(bound.arguments, out)
 
     return entry
 
@@ -215,19 +219,9 @@ def _before(fn: Callable[..., Any], hook: Callable[[Any], None] | None) -> Calla
 def _glued(name: str, fn: Callable[..., Any], fake: bool = False) -> Callable[..., Any]:
     """``fn`` behind the checks torch_npu's C++ glue makes for ``name`` (``_glue``), if any,
     and its outputs as the glue hands them back (``_glue.outputs``)."""
-    fn = _before(fn, _glue.checks(name))
     after = _glue.outputs(name)
-    if after is None:
-        return fn
-    signature = inspect.signature(fn)
-
-    @functools.wraps(fn)
-    def entry(*args: Any, **kwargs: Any) -> Any:
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        return after(bound.arguments, fn(*args, **kwargs), fake=fake)
-
-    return entry
+    return _before(fn, _glue.checks(name),
+                   None if after is None else functools.partial(after, fake=fake))
 
 
 def _drawing(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
