@@ -121,3 +121,30 @@ def test_a_node_saves_what_its_formula_reads_and_keeps_the_rest_by_shape(release
     expected = torch.cat([torch.sigmoid(a) * (1 + a * (1 - torch.sigmoid(a))) * b,
                           a * torch.sigmoid(a)], dim=-1)
     torch.testing.assert_close(x.grad, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("release", ["2.14.0"], indirect=True)
+def test_the_routing_map_permute_node_saves_the_map_and_the_sorted_indices(release: str
+                                                                           ) -> None:
+    """``NpuMoeTokenPermuteWithRoutingMapBackward0`` (2.7.1 .. 2.14.0): ``routing_map_`` and
+    ``result2_`` only, not the tokens nor the probs (their row count and dtype suffice), while
+    the gradients are those of the node that saves everything."""
+    import torch_npu
+
+    n, e = 6, 4
+    rmap = torch.zeros(n, e, dtype=torch.bool)
+    for i in range(n):
+        rmap[i, [i % e, (i + 1) % e]] = True
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randn(n, 8, generator=gen).to(BF16).requires_grad_()
+    probs = torch.rand(n, e, generator=gen).to(BF16).requires_grad_()
+    kept: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        permuted, permuted_probs, sorted_indices = torch_npu.npu_moe_token_permute_with_routing_map(
+            tokens, rmap, probs=probs, num_out_tokens=2 * n)
+    assert sorted({_storage(t) for t in kept}) == sorted({_storage(rmap),
+                                                           _storage(sorted_indices)})
+    (permuted.float().sum() + permuted_probs.float().sum()).backward()
+    assert tokens.grad is not None and probs.grad is not None
+    # each token row is sent to two experts: its gradient is 2 in every element
+    torch.testing.assert_close(tokens.grad.float(), torch.full((n, 8), 2.0))

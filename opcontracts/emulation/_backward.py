@@ -128,8 +128,22 @@ def moe_token_backwards(structure: Structure) -> dict[str, Any]:
         table["npu_moe_token_unpermute"] = unpermute_backward if structure.unpermute_backward else None
     if structure.routing_map_internal is not None:  # the formula, on the internal op's output
         ref = reference.get(structure.routing_map_internal)
-        table[structure.routing_map_internal] = ref.backward if ref is not None else None
+        table[structure.routing_map_internal] = _formula(ref) if ref is not None else None
     return table
+
+
+def _formula(ref: reference.Reference) -> Any:
+    """A reference's backward formula, marked with what its node saves (``Reference.saves``),
+    as a function of its own: the reference's is shared with the compare and the probe."""
+    fn = ref.backward
+    if fn is None or ref.saves is None:
+        return fn
+
+    def formula(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[str, Any]:
+        return fn(inputs, outputs, grads)
+
+    formula.__name__ = formula.__qualname__ = getattr(fn, "__name__", "formula")
+    return saving(*ref.saves)(formula)
 
 
 def _backwards() -> dict[str, Any]:
@@ -140,7 +154,7 @@ def _backwards() -> dict[str, Any]:
     for name in reference.names():
         ref = reference.get(name)
         if ref is not None and ref.backward is not None and not name.startswith("mindspeed."):
-            table[name] = ref.backward
+            table[name] = _formula(ref)
     table["npu_swiglu"] = swiglu_backward  # through its backward kernel, not the formula
     table["npu_rms_norm"] = rms_norm_backward  # likewise
     table["npu_rotary_mul"] = rotary_mul_backward  # likewise
