@@ -148,3 +148,24 @@ def test_the_routing_map_permute_node_saves_the_map_and_the_sorted_indices(relea
     assert tokens.grad is not None and probs.grad is not None
     # each token row is sent to two experts: its gradient is 2 in every element
     torch.testing.assert_close(tokens.grad.float(), torch.full((n, 8), 2.0))
+
+
+@pytest.mark.parametrize("release", ["2.14.0"], indirect=True)
+def test_the_cross_entropy_node_does_not_keep_the_logits(release: str) -> None:
+    """``NpuCrossEntropyLossBackward0``: ``target_``, ``weight_``, ``result1_`` (log_prob),
+    ``result3_`` (lse): the logits, a large-vocabulary model's largest activation, are not kept
+    for backward, and the gradient is softmax minus one-hot."""
+    import torch_npu
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 10, generator=gen, requires_grad=True)
+    target = torch.tensor([1, 3, 5, 7])
+    kept: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        loss, log_prob, _, _ = torch_npu.npu_cross_entropy_loss(logits, target, reduction="sum")
+    storages = {_storage(t) for t in kept}
+    assert _storage(logits) not in storages
+    assert {_storage(target), _storage(log_prob)} <= storages
+    loss.backward()
+    expected = torch.softmax(logits.detach(), -1) - torch.nn.functional.one_hot(target, 10)
+    torch.testing.assert_close(logits.grad, expected, rtol=1e-4, atol=1e-5)
