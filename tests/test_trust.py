@@ -475,3 +475,23 @@ def test_inductor_compiles_under_the_patch() -> None:
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "torch.Size([4, 8])" in out.stdout
+
+
+def test_a_checker_freed_while_torch_compile_traces_is_forgotten_after_the_trace() -> None:
+    """A compiled contract's finalizer can run inside dynamo's tracing, while dynamo iterates
+    the dicts the traced guard reads: it must not change them then (the trace failed with
+    "dictionary changed size during iteration"); the entry goes at the next removal outside a
+    trace."""
+    from torch._guards import TracingContext, tracing
+
+    from opcontracts._engine import compile as _compile
+
+    _compile.OP_BY_KEY[-7] = "gone_op"
+    _compile.FAST_BY_KEY[-7] = lambda *a, **k: True
+    with tracing(TracingContext(None)):
+        _compile._forget(-7, ())
+        assert _compile.OP_BY_KEY[-7] == "gone_op"  # kept while the trace is on
+    _compile.OP_BY_KEY[-8] = "other_op"
+    _compile._forget(-8, ())  # outside a trace: both go
+    assert -7 not in _compile.OP_BY_KEY and -8 not in _compile.OP_BY_KEY
+    assert -7 not in _compile.FAST_BY_KEY

@@ -18,6 +18,7 @@ import keyword
 import linecache
 import numbers
 import re
+import sys
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -757,10 +758,32 @@ def compile_contract(contract: Contract, params: Sequence[Param] | None = None) 
     return careful
 
 
+_freed: list[tuple[int, tuple[str, ...]]] = []  # forgotten while torch.compile was tracing
+
+
 def _forget(key: int, filenames: tuple[str, ...]) -> None:
-    """A compiled contract was freed: drop what was kept for it by key and its sources."""
-    FAST_BY_KEY.pop(key, None)
-    OP_BY_KEY.pop(key, None)
-    for f in filenames:
-        linecache.cache.pop(f, None)
+    """A compiled contract was freed: drop what was kept for it by key and its sources.
+
+    A finalizer runs wherever the last reference goes, inside torch.compile's tracing too,
+    where dynamo may be iterating ``FAST_BY_KEY`` / ``OP_BY_KEY`` (the traced guard reads
+    them: dynamo wraps the whole dict) -- a removal then fails its trace with "dictionary
+    changed size during iteration".  While a trace is on (torch's ``TracingContext``, per
+    thread) the removal waits for the next one made outside a trace."""
+    _freed.append((key, filenames))
+    if not _tracing():
+        _sweep()
+
+
+def _tracing() -> bool:
+    guards = sys.modules.get("torch._guards")
+    return guards is not None and guards.TracingContext.try_get() is not None
+
+
+def _sweep() -> None:
+    while _freed:
+        key, filenames = _freed.pop()
+        FAST_BY_KEY.pop(key, None)
+        OP_BY_KEY.pop(key, None)
+        for f in filenames:
+            linecache.cache.pop(f, None)
 
