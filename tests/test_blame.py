@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from _strict import violation as _violation
 
 import opcontracts
 from opcontracts import Arg, Contract, ContractFileError, ContractViolation
@@ -33,12 +34,6 @@ def verl_stack() -> Iterator[None]:
         yield
     finally:
         opcontracts.set_versions(**prev)
-
-
-def _violation(op: Any, *args: Any, **kwargs: Any) -> ContractViolation:
-    with opcontracts.mode("strict"), pytest.raises(ContractViolation) as info:
-        opcontracts.check(op, *args, **kwargs)
-    return info.value
 
 
 def _unpermute(rows: int, probs: tuple[int, ...] | None, h: int = 64, indices: int | None = None,

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from _strict import violation as _violation
 
 import opcontracts
 from opcontracts import ContractFixWarning, ContractViolation
@@ -29,12 +30,6 @@ def _g(seed: int = 0) -> torch.Generator:
 def _vals(*shape: int, dtype: torch.dtype = BF16, seed: int = 0) -> torch.Tensor:
     """Multiples of 1/32 in [-0.5, 0.5]: exact in every float dtype."""
     return (torch.randint(-16, 17, shape, generator=_g(seed)) / 32).to(dtype)
-
-
-def _violation(fn: Any, *args: Any, **kwargs: Any) -> ContractViolation:
-    with opcontracts.mode("strict"), pytest.raises(ContractViolation) as info:
-        fn(*args, **kwargs)
-    return info.value
 
 
 def _causal(sq: int, skv: int | None = None) -> torch.Tensor:

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 import torch
+from _strict import violation as _violation
 
 import opcontracts
-from opcontracts import ContractViolation
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 HK, HV, T, K, V, C, NC = 2, 4, 128, 128, 128, 64, 2
@@ -62,12 +62,6 @@ def _named(op: str) -> dict[str, Any]:
     build, names = CALLS[op]
     args, kwargs = build()
     return {**dict(zip(names + ["chunk_size"], args)), **kwargs}
-
-
-def _violation(op: str, **call: Any) -> ContractViolation:
-    with opcontracts.mode("strict"), pytest.raises(ContractViolation) as info:
-        opcontracts.check(op, **call)
-    return info.value
 
 
 @pytest.mark.parametrize("op", CALLS)

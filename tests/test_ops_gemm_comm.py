@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from _strict import violation as _violation
 
 import opcontracts
 from opcontracts import ContractFixWarning, ContractViolation
@@ -34,12 +35,6 @@ def _vals(*shape: int, dtype: torch.dtype = BF16, seed: int = 0) -> torch.Tensor
 
 def _ints(*shape: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(-8, 8, shape, generator=_g(seed)).to(I8)
-
-
-def _violation(fn: Any, *args: Any, **kwargs: Any) -> ContractViolation:
-    with opcontracts.mode("strict"), pytest.raises(ContractViolation) as info:
-        fn(*args, **kwargs)
-    return info.value
 
 
 # =========================================================================== npu_grouped_matmul

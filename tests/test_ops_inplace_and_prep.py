@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 import torch
+from _strict import violation as _violation
 
 import opcontracts
-from opcontracts import ContractViolation
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 I64 = torch.int64
@@ -29,12 +29,6 @@ def a5() -> Iterator[None]:
         yield
     finally:
         opcontracts.set_versions(**prev)
-
-
-def _violation(op: str, *args: Any, **kwargs: Any) -> ContractViolation:
-    with opcontracts.mode("strict"), pytest.raises(ContractViolation) as info:
-        opcontracts.check(op, *args, **kwargs)
-    return info.value
 
 
 def _gmm_add(**over: Any) -> dict[str, Any]:

@@ -15,9 +15,10 @@ from typing import Any
 
 import pytest
 import torch
+from _strict import violation as _violation
 
 import opcontracts
-from opcontracts import ContractFixWarning, ContractViolation
+from opcontracts import ContractFixWarning
 from opcontracts.reference import _fam_gemm_comm as ref
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -31,12 +32,6 @@ def _vals(*shape: int, dtype: torch.dtype = BF16, seed: int = 0) -> torch.Tensor
     """Multiples of 1/8 in [-2, 2]: exact in every float dtype."""
     gen = torch.Generator().manual_seed(seed)
     return (torch.randint(-16, 17, shape, generator=gen) / 8).to(dtype)
-
-
-def _violation(fn: Any, *args: Any, **kwargs: Any) -> ContractViolation:
-    with opcontracts.mode("strict"), pytest.raises(ContractViolation) as info:
-        fn(*args, **kwargs)
-    return info.value
 
 
 def _leaves(*ts: torch.Tensor) -> list[torch.Tensor]:

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 import torch
+from _strict import violation as _violation
 
 import opcontracts
-from opcontracts import ContractViolation
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 AG = "mindspeed.npu_alltoall_allgather_bmm"
@@ -40,12 +40,6 @@ def _rs(**over: Any) -> dict[str, Any]:
     return {**call, **over}
 
 
-def _violation(op: str, call: dict[str, Any]) -> ContractViolation:
-    with opcontracts.mode("strict"), pytest.raises(ContractViolation) as info:
-        opcontracts.check(op, **call)
-    return info.value
-
-
 def test_moe_bmm_mc2_calls_pass_strict() -> None:
     with opcontracts.mode("strict"):
         opcontracts.check(AG, **_ag())
@@ -66,7 +60,7 @@ def test_moe_bmm_mc2_calls_pass_strict() -> None:
 def test_wrong_dtype_names_the_argument(op: str, build: Any, name: str) -> None:
     call = build()
     call[name] = call[name].float()
-    exc = _violation(op, call)
+    exc = _violation(op, **call)
     assert exc.arg == name and f"argument '{name}'" in str(exc)
 
 
@@ -74,30 +68,30 @@ def test_wrong_dtype_names_the_argument(op: str, build: Any, name: str) -> None:
 def test_bias_follows_x_dtype(op: str, build: Any) -> None:
     """fp16 x takes an fp16 bias, bf16 x an fp32 one: a bf16 bias is the mistake."""
     bias_n = F if op == AG else H // TP
-    exc = _violation(op, build(bias=_t(E // EP, 1, bias_n, dtype=BF16)))
+    exc = _violation(op, **build(bias=_t(E // EP, 1, bias_n, dtype=BF16)))
     assert exc.arg == "bias"
     fp16 = build(x=build()["x"].half(), weight=build()["weight"].half(),
                  bias=_t(E // EP, 1, bias_n, dtype=FP32))
-    assert _violation(op, fp16).arg == "bias"
+    assert _violation(op, **fp16).arg == "bias"
 
 
 @pytest.mark.parametrize(("op", "build"), [(AG, _ag), (RS, _rs)])
 def test_world_sizes_and_shard_type(op: str, build: Any) -> None:
-    assert _violation(op, build(group_ep_worldsize=3)).arg == "group_ep_worldsize"
-    assert _violation(op, build(group_tp_worldsize=64)).arg == "group_tp_worldsize"
-    assert _violation(op, build(shard_type=2)).arg == "shard_type"
+    assert _violation(op, **build(group_ep_worldsize=3)).arg == "group_ep_worldsize"
+    assert _violation(op, **build(group_tp_worldsize=64)).arg == "group_tp_worldsize"
+    assert _violation(op, **build(shard_type=2)).arg == "shard_type"
 
 
 def test_shape_relations_name_the_argument() -> None:
     # gathered on C: x carries the whole H of the weight
-    exc = _violation(AG, _ag(shard_type=1))
+    exc = _violation(AG, **_ag(shard_type=1))
     assert exc.arg == "x" and "(when shard_type = 1)" in str(exc)
     # too many local experts for the kernel (E/ep <= 32)
-    assert _violation(AG, _ag(x=_t(66, C, H // TP), weight=_t(33, H, F))).arg == "weight"
+    assert _violation(AG, **_ag(x=_t(66, C, H // TP), weight=_t(33, H, F))).arg == "weight"
     # the weight's batch is the local experts of x
-    assert _violation(RS, _rs(weight=_t(E // EP + 1, F, H))).arg == "weight"
+    assert _violation(RS, **_rs(weight=_t(E // EP + 1, F, H))).arg == "weight"
     # x's M/tp against the weight's
-    assert _violation(RS, _rs(weight=_t(E // EP, F + 1, H))).arg == "weight"
+    assert _violation(RS, **_rs(weight=_t(E // EP, F + 1, H))).arg == "weight"
     # scattered on C: the bias is the whole H
-    exc = _violation(RS, _rs(bias=_t(E // EP, 1, H // TP, dtype=FP32), shard_type=1))
+    exc = _violation(RS, **_rs(bias=_t(E // EP, 1, H // TP, dtype=FP32), shard_type=1))
     assert exc.arg == "bias"

@@ -17,9 +17,10 @@ from typing import Any
 
 import pytest
 import torch
+from _strict import violation as _violation
 
 import opcontracts
-from opcontracts import ContractFixWarning, ContractViolation
+from opcontracts import ContractFixWarning
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 I8, I32, I64 = torch.int8, torch.int32, torch.int64
@@ -54,12 +55,6 @@ def _a2_stack() -> Any:
     prev = opcontracts.set_versions(cann="9.0.0", soc="Ascend910B3")
     yield
     opcontracts.set_versions(**prev)
-
-
-def _violation(fn: Any, *args: Any, **kwargs: Any) -> ContractViolation:
-    with opcontracts.mode("strict"), pytest.raises(ContractViolation) as info:
-        fn(*args, **kwargs)
-    return info.value
 
 
 # =========================================================================== routers

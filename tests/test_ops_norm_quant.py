@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from _strict import violation as _violation
 
 import opcontracts
 from opcontracts import ContractFixWarning, ContractViolation
@@ -40,12 +41,6 @@ def _vals(*shape: int, dtype: torch.dtype = BF16, seed: int = 0) -> torch.Tensor
 def _pos(*shape: int, dtype: torch.dtype = FP32, seed: int = 0) -> torch.Tensor:
     """Multiples of 1/16 in (0, 1]."""
     return (torch.randint(1, 17, shape, generator=_g(seed)) / 16).to(dtype)
-
-
-def _violation(fn: Any, *args: Any, **kwargs: Any) -> ContractViolation:
-    with opcontracts.mode("strict"), pytest.raises(ContractViolation) as info:
-        fn(*args, **kwargs)
-    return info.value
 
 
 def _rule(exc: ContractViolation) -> tuple[str | None, str | None]:
