@@ -8,6 +8,7 @@ chips a contract speaks for are the ones it applies on.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from collections.abc import Iterator
 from typing import Any
@@ -22,13 +23,27 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 I64 = torch.int64
 
 
-@pytest.fixture
-def a5() -> Iterator[None]:
-    prev = opcontracts.set_versions(torch_npu="2.14.0", cann="9.0.0", soc="Ascend950PR")
+@contextlib.contextmanager
+def _stack(**versions: str) -> Iterator[None]:
+    prev = opcontracts.set_versions(**versions)
     try:
         yield
     finally:
         opcontracts.set_versions(**prev)
+
+
+@pytest.fixture
+def a5() -> Iterator[None]:
+    with _stack(torch_npu="2.14.0", cann="9.0.0", soc="Ascend950PR"):
+        yield
+
+
+def _applies(op: str, **versions: str) -> bool:
+    """Whether a contract of ``op`` applies on the stack ``versions`` states."""
+    from opcontracts._engine import registry
+
+    with _stack(**versions):
+        return registry.resolve(op) is not None
 
 
 def _gmm_add(**over: Any) -> dict[str, Any]:
@@ -55,15 +70,9 @@ def test_grouped_matmul_add_inplace_as_mindspeed_calls_it(a5: None) -> None:
 def test_grouped_matmul_add_inplace_speaks_for_the_documented_releases() -> None:
     """The in-place op is in the schema from 2.5.1.post1, documented (with the out-of-place
     one) only from the 2.13 doc group: no contract applies before."""
-    from opcontracts._engine import registry
-
-    prev = opcontracts.set_versions(torch_npu="2.7.1.post4", cann="9.0.0", soc="Ascend950PR")
-    try:
-        assert registry.resolve("npu_grouped_matmul_add_") is None
-        opcontracts.set_versions(torch_npu="2.7.1.post11")
-        assert registry.resolve("npu_grouped_matmul_add_") is not None
-    finally:
-        opcontracts.set_versions(**prev)
+    a5 = {"cann": "9.0.0", "soc": "Ascend950PR"}
+    assert not _applies("npu_grouped_matmul_add_", torch_npu="2.7.1.post4", **a5)
+    assert _applies("npu_grouped_matmul_add_", torch_npu="2.7.1.post11", **a5)
 
 
 def _quant_add(**over: Any) -> dict[str, Any]:
@@ -85,15 +94,9 @@ def test_add_quant_matmul_inplace(a5: None) -> None:
 
 
 def test_add_quant_matmul_is_ascend_950s() -> None:
-    from opcontracts._engine import registry
-
-    prev = opcontracts.set_versions(torch_npu="2.14.0", cann="9.0.0", soc="Ascend910B3")
-    try:
-        assert registry.resolve("npu_add_quant_matmul_") is None
-        opcontracts.set_versions(soc="Ascend950DT")
-        assert registry.resolve("npu_add_quant_matmul_") is not None
-    finally:
-        opcontracts.set_versions(**prev)
+    stack = {"torch_npu": "2.14.0", "cann": "9.0.0"}
+    assert not _applies("npu_add_quant_matmul_", soc="Ascend910B3", **stack)
+    assert _applies("npu_add_quant_matmul_", soc="Ascend950DT", **stack)
 
 
 def test_quantize_div_mode_chooses_the_zero_points_rules() -> None:
