@@ -60,10 +60,9 @@ def _local(g: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class StepVerdict:
-    """What the check found at one ``optimizer.step()``."""
+    """What the check found at a non-finite ``optimizer.step()`` (a finite one makes none)."""
 
     step: int                                   # 1-based, the check's own count
-    finite: bool
     checked: int                                # tensors checked (gradients, and the loss)
     nonfinite: list[str] = field(default_factory=list)  # which ones (a few named)
     nonfinite_count: int = 0
@@ -84,10 +83,11 @@ def _world() -> int:
 
 
 # The CPU's reduction (``_cpu_sums``): torch runs a foreach op on the CPU as one kernel call per
-# tensor (~1 us of dispatch each), which is what copying ~20k elements costs; so gradients of at
-# most ``_SMALL`` elements are copied into flat buffers of at most ``_FLAT`` elements (bounded
-# memory: 8 MiB in float32) and summed there, one ``cat`` and one ``sum`` a buffer, and larger
-# ones are summed alone (their reduction dwarfs the dispatch).  A sum is non-finite when any
+# tensor (~1 us of dispatch each), which is what copying ~20k elements costs; so gradients of
+# at most ``_SMALL`` elements are copied into flat buffers of about ``_FLAT`` elements (at most
+# ``_FLAT + _SMALL``: bounded memory, ~8 MiB in float32) and summed there, one ``cat`` and one
+# ``sum`` a buffer, and larger ones are summed alone (their reduction dwarfs the dispatch); a
+# model of at most ``_FLAT`` elements in all is one buffer.  A sum is non-finite when any
 # element is a NaN or an infinity (or when finite values overflow: confirmed exactly).
 _SMALL = 1 << 15
 _FLAT = 1 << 21
@@ -110,28 +110,24 @@ def _cpu_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
     flatten's view of each tensor then skips two dispatch keys (12 -> 8 us for the 2-layer
     demo's 29 gradients), and nothing here is ever differentiated."""
     with _below_autograd():
-        return _flat_sums(tensors)
-
-
-def _flat_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
-    if sum(map(_numel, tensors)) <= _FLAT:  # the usual small model: one buffer, no loop
-        return _sum(_flatten(tensors))
-    parts: list[torch.Tensor] = []
-    small: list[torch.Tensor] = []
-    n = 0
-    for t in tensors:
-        k = t.numel()
-        if k > _SMALL:
-            parts.append(_sum(t))
-            continue
-        small.append(t)
-        n += k
-        if n >= _FLAT:
+        if sum(map(_numel, tensors)) <= _FLAT:  # the usual small model: one buffer, no loop
+            return _sum(_flatten(tensors))
+        parts: list[torch.Tensor] = []
+        small: list[torch.Tensor] = []
+        n = 0
+        for t in tensors:
+            k = t.numel()
+            if k > _SMALL:
+                parts.append(_sum(t))
+                continue
+            small.append(t)
+            n += k
+            if n >= _FLAT:
+                parts.append(_sum(_flatten(small)))
+                small, n = [], 0
+        if small:
             parts.append(_sum(_flatten(small)))
-            small, n = [], 0
-    if small:
-        parts.append(_sum(_flatten(small)))
-    return parts[0] if len(parts) == 1 else torch.stack(parts)
+        return parts[0] if len(parts) == 1 else torch.stack(parts)
 
 
 def _reduce(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -252,9 +248,8 @@ class StepCheck:
             if self.on_finite is not None:
                 self.on_finite()
             return
-        if not verdict.finite:
-            self.bad_steps.append(verdict.step)
-            self._skip(opt)
+        self.bad_steps.append(verdict.step)
+        self._skip(opt)
         self.on_step(verdict)
 
     def _post(self, opt: Any, _args: Any, _kwargs: Any) -> None:
@@ -291,10 +286,11 @@ class StepCheck:
         if loss is not None:
             tensors.append(loss)
         values, ranks_bad = screen(tensors, self._sync())
-        if math.isfinite(sum(values)) and not ranks_bad:
+        finite = math.isfinite(sum(values))
+        if finite and not ranks_bad:
             return None
         bad: list[int] = []
-        if not math.isfinite(sum(values)):
+        if not finite:
             # which tensors, exactly (a sum or a 2-norm also overflows on huge finite
             # values): one more read, on this step only
             first = tensors[0].device
@@ -302,7 +298,7 @@ class StepCheck:
             bad = [i for i, fine in enumerate(ok) if not fine]
             if not bad and not ranks_bad:
                 return None  # finite values whose reduction overflowed
-        return StepVerdict(self.steps, False, len(tensors),
+        return StepVerdict(self.steps, len(tensors),
                            [_name(self._what(opt, i, loss is not None and i == len(tensors) - 1),
                                   tensors[i]) for i in bad[:8]],
                            len(bad), ranks_bad=ranks_bad, optimizer=opt)
