@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from ._engine.registry import UnknownOpError, get_contract, register
     from ._lang.targets import set_targets
     from ._lang.values import set_value_checks, value_checks_enabled
-    from ._lang.versions import set_versions
+    from ._lang.versions import set_versions, versions
     from ._tools.preflight import preflight
     from ._tools.trainer import NanStepCallback
     from .decorator import check, enforce
@@ -39,7 +39,8 @@ if TYPE_CHECKING:
 _LAZY = {
     "UnknownOpError": "_engine.registry", "get_contract": "_engine.registry", "register": "_engine.registry",
     "set_value_checks": "_lang.values", "value_checks_enabled": "_lang.values",
-    "set_versions": "_lang.versions", "set_targets": "_lang.targets",
+    "set_versions": "_lang.versions", "versions": "_lang.versions",
+    "set_targets": "_lang.targets",
     "check": "decorator", "enforce": "decorator",
     "Arg": "spec", "Contract": "spec", "ValueRule": "spec", "When": "spec",
     "load_contracts": "spec", "use": "_attach.use", "preflight": "_tools.preflight",
@@ -122,4 +123,5 @@ __all__ = [
     "set_versions",
     "use",
     "value_checks_enabled",
+    "versions",
 ]

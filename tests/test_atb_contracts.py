@@ -25,13 +25,11 @@ BF16, FP16, I32, I64 = torch.bfloat16, torch.float16, torch.int32, torch.int64
 
 @pytest.fixture
 def soc() -> Iterator[Any]:
-    prev = opcontracts.set_versions(soc=A2)
-
     def pin(name: str) -> None:
         opcontracts.set_versions(soc=name)
 
-    yield pin
-    opcontracts.set_versions(**prev)
+    with opcontracts.versions(soc=A2):  # puts back the pins as they were, whatever pin() set
+        yield pin
 
 
 def t(dtype: torch.dtype, *shape: int) -> torch.Tensor:

@@ -17,12 +17,9 @@ _QUERY = {"BNSD": (B, N, S, D), "BSND": (B, S, N, D), "BSH": (B, S, N * D), "SBH
 def _call(layout: str, mask_shape: tuple[int, ...]) -> None:
     q = torch.randn(*_QUERY[layout], dtype=torch.bfloat16)
     mask = torch.zeros(*mask_shape, dtype=torch.bool)
-    prev = opcontracts.set_versions(torch_npu="2.7.1.post8", cann="8.3.RC1", soc="Ascend910B3")
-    try:
+    with opcontracts.versions(torch_npu="2.7.1.post8", cann="8.3.RC1", soc="Ascend910B3"):
         opcontracts.check("npu_fusion_attention", q, q, q, N, layout, atten_mask=mask,
                           scale=0.25, keep_prob=1.0, sparse_mode=0)
-    finally:
-        opcontracts.set_versions(**prev)
 
 
 @pytest.mark.parametrize("layout", sorted(_QUERY))
@@ -43,12 +40,9 @@ _FIA_QUERY = {"BNSD": (B, N, S, D), "BSND": (B, S, N, D), "BSH": (B, S, N * D)}
 def _fia(layout: str, pse_shape: tuple[int, ...]) -> None:
     q = torch.randn(*_FIA_QUERY[layout], dtype=torch.bfloat16)
     pse = torch.randn(*pse_shape, dtype=torch.bfloat16)
-    prev = opcontracts.set_versions(torch_npu="2.9.0.post2", cann="9.0.0", soc="Ascend910B3")
-    try:
+    with opcontracts.versions(torch_npu="2.9.0.post2", cann="9.0.0", soc="Ascend910B3"):
         opcontracts.check("npu_fused_infer_attention_score", q, q, q, pse_shift=pse,
                           num_heads=N, input_layout=layout, scale=0.25)
-    finally:
-        opcontracts.set_versions(**prev)
 
 
 @pytest.mark.parametrize("layout", sorted(_FIA_QUERY))

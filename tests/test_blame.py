@@ -29,11 +29,8 @@ VERL = {"torch_npu": "2.7.1.post2", "cann": "8.3.RC1", "soc": "Ascend910_9392"}
 
 @pytest.fixture()
 def verl_stack() -> Iterator[None]:
-    prev = opcontracts.set_versions(**VERL)
-    try:
+    with opcontracts.versions(**VERL):
         yield
-    finally:
-        opcontracts.set_versions(**prev)
 
 
 def _unpermute(rows: int, probs: tuple[int, ...] | None, h: int = 64, indices: int | None = None,
@@ -128,14 +125,11 @@ def test_neither_side_produced_names_both() -> None:
 def test_a_caller_tensor_against_a_produced_one_stays_blamed() -> None:
     """finalize routing's skip1 is the caller's: H comes from the experts' output on init
     routing's rows, which the message says."""
-    prev = opcontracts.set_versions(torch_npu="2.10.0", cann="9.0.0", soc="Ascend910_9392")
-    try:
+    with opcontracts.versions(torch_npu="2.10.0", cann="9.0.0", soc="Ascend910_9392"):
         e = _violation("npu_moe_finalize_routing", torch.randn(8, 64).to(BF16), skip1=torch.randn(4, 65).to(BF16),
                        skip2=None, bias=None, scales=torch.rand(4, 2).to(BF16),
                        expanded_src_to_dst_row=torch.randperm(8).to(I32),
                        export_for_source_row=None, drop_pad_mode=0)
-    finally:
-        opcontracts.set_versions(**prev)  # as before the test: detected, not pinned unknown
     assert e.arg == "skip1"
     assert "H = 64 comes from expanded_permuted_rows (8, 64)" in e.expected
     assert e.fix is not None and e.fix.startswith("pass skip1 with shape (4, 64)")
@@ -148,16 +142,13 @@ def test_produced_relations_decide_between_two_caller_tensors(wrong: str) -> Non
     T, K, E = 4, 2, 8
     sizes = {"scales": (T, K), "export_for_source_row": (T, K)}
     sizes[wrong] = (T, E)
-    prev = opcontracts.set_versions(torch_npu="2.10.0", cann="9.0.0", soc="Ascend910_9392")
-    try:
+    with opcontracts.versions(torch_npu="2.10.0", cann="9.0.0", soc="Ascend910_9392"):
         e = _violation("npu_moe_finalize_routing", torch.randn(T * K, 64).to(BF16),
                        skip1=None, skip2=None, bias=None,
                        scales=torch.rand(*sizes["scales"]).to(BF16),
                        expanded_src_to_dst_row=torch.randperm(T * K).to(I32),
                        export_for_source_row=torch.zeros(*sizes["export_for_source_row"]).to(I32),
                        drop_pad_mode=0)
-    finally:
-        opcontracts.set_versions(**prev)  # as before the test: detected, not pinned unknown
     right = "scales" if wrong != "scales" else "export_for_source_row"
     assert e.arg == wrong
     assert e.expected.startswith("shape (N K) = (4, 2): N*K = 8 comes from expanded_permuted_rows")
@@ -168,13 +159,10 @@ def test_produced_relations_decide_between_two_caller_tensors(wrong: str) -> Non
 def test_tensor_list_elements_are_named() -> None:
     """grouped matmul's weight list against group_list (sglang 27748's global counts against
     local experts): neither is produced_by, both are named, the element by its index."""
-    prev = opcontracts.set_versions(torch_npu="2.10.0", cann="9.0.0", soc="Ascend910_9392")
-    try:
+    with opcontracts.versions(torch_npu="2.10.0", cann="9.0.0", soc="Ascend910_9392"):
         e = _violation("npu_grouped_matmul", [torch.randn(8, 64).to(BF16)],
                        [torch.randn(2, 64, 32).to(BF16)], bias=None, split_item=2, group_type=0,
                        group_list_type=1, group_list=torch.tensor([1, 1, 0, 2, 1, 1, 1, 1]))
-    finally:
-        opcontracts.set_versions(**prev)  # as before the test: detected, not pinned unknown
     assert e.arg == "group_list"
     assert "to agree with weight[0] (2, 64, 32) on E" in e.expected
     assert e.fix is not None and "weight[0] (2, 64, 32) gives 2" in e.fix

@@ -149,14 +149,13 @@ def test_patched_op_first_called_under_compile(patched_emulation):
         return torch_npu.npu_moe_token_unpermute(tokens, idx, p).float().sum()
 
     assert getattr(torch_npu.npu_moe_token_unpermute, "__opcontracts__", None) is None  # lazy
-    prev = opcontracts.set_versions(cann="8.0.RC3")  # the bf16-only kernel (issue 23: CANN decides)
-    with opcontracts.mode("strict"):
+    # the bf16-only kernel (issue 23: CANN decides)
+    with opcontracts.versions(cann="8.0.RC3"), opcontracts.mode("strict"):
         e = torch._dynamo.explain(f)(probs)
         assert e.graph_break_count == 0
         torch._dynamo.reset()
         with pytest.raises(ContractViolation) as ei:
             torch.compile(f, backend="eager")(probs.float())
-    opcontracts.set_versions(**prev)
     assert ei.value.arg == "probs" and ei.value.fix == "probs = probs.to(torch.bfloat16)"
 
 

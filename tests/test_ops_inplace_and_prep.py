@@ -8,7 +8,6 @@ chips a contract speaks for are the ones it applies on.
 
 from __future__ import annotations
 
-import contextlib
 import enum
 from collections.abc import Iterator
 from typing import Any
@@ -23,18 +22,9 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 I64 = torch.int64
 
 
-@contextlib.contextmanager
-def _stack(**versions: str) -> Iterator[None]:
-    prev = opcontracts.set_versions(**versions)
-    try:
-        yield
-    finally:
-        opcontracts.set_versions(**prev)
-
-
 @pytest.fixture
 def a5() -> Iterator[None]:
-    with _stack(torch_npu="2.14.0", cann="9.0.0", soc="Ascend950PR"):
+    with opcontracts.versions(torch_npu="2.14.0", cann="9.0.0", soc="Ascend950PR"):
         yield
 
 
@@ -42,7 +32,7 @@ def _applies(op: str, **versions: str) -> bool:
     """Whether a contract of ``op`` applies on the stack ``versions`` states."""
     from opcontracts._engine import registry
 
-    with _stack(**versions):
+    with opcontracts.versions(**versions):
         return registry.resolve(op) is not None
 
 
@@ -118,11 +108,8 @@ def test_quantize_div_mode_chooses_the_zero_points_rules() -> None:
     # fp16 scales only with div_mode False
     assert _violation("npu_quantize", x, scales.half(), None, torch.qint8, 1, True).arg == "scales"
     # left out, div_mode is the schema's default (True) of the release pinned
-    prev = opcontracts.set_versions(torch_npu="2.14.0")
-    try:
+    with opcontracts.versions(torch_npu="2.14.0"):
         assert _violation("npu_quantize", x, scales.half(), None, torch.qint8).arg == "scales"
-    finally:
-        opcontracts.set_versions(**prev)
     assert _violation("npu_quantize", x.double(), scales, None, torch.qint8).arg == "self"
 
 

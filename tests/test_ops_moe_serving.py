@@ -52,9 +52,8 @@ def _a2_stack() -> Any:
     """The stack vllm-ascend's Atlas A2 images pin (CANN 9.x): the CANN- and chip-keyed tables
     (the 310P's, CANN < 8.3.RC1's 256-expert router) are other readings, which the corpus in
     tests/realcode/ checks under their own stacks."""
-    prev = opcontracts.set_versions(cann="9.0.0", soc="Ascend910B3")
-    yield
-    opcontracts.set_versions(**prev)
+    with opcontracts.versions(cann="9.0.0", soc="Ascend910B3"):
+        yield
 
 
 # =========================================================================== routers

@@ -106,11 +106,8 @@ def test_an_allowance_only_while_cann_is_unknown_is_told_apart(narrow: None) -> 
     # CANN unknown: fp32 probs pass strict mode only as a conditional call (the 8.0.RC3 reading
     # rejects them, a later one allows them); the narrow kernel misreads them.  That is not a
     # contract that must forbid them (the claimed-but-wrong exit), it is a target to set.
-    prev = opcontracts.set_versions(cann="unknown")
-    try:
+    with opcontracts.versions(cann="unknown"):
         rep = probe("npu_moe_token_unpermute")
-    finally:
-        opcontracts.set_versions(**prev)
     probs = next(a for a in rep.args if a.name == "probs").to_dict()
     assert "fp32" in probs["allowed_while_unknown"]
     assert "fp32" not in probs["allowed_by_contract"]

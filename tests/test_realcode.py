@@ -181,13 +181,12 @@ def build(value: Any, where: str) -> Any:
 @contextmanager
 def _stack(stack: dict[str, str]) -> Iterator[None]:
     pins = {k: stack.get(k, "unknown") for k in ("torch_npu", "cann", "soc", "mindspeed")}
-    prev = opcontracts.set_versions(**pins)
     prev_values = opcontracts.set_value_checks(True)
     try:
-        yield
+        with opcontracts.versions(**pins):
+            yield
     finally:
         opcontracts.set_value_checks(prev_values)
-        opcontracts.set_versions(**prev)
 
 
 def verdict(case: Case) -> tuple[str, str]:

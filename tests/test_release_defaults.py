@@ -3,9 +3,6 @@ and value rules scoped by the release whose glue decides them."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import pytest
 import torch
 
@@ -13,15 +10,6 @@ import opcontracts
 from opcontracts import Arg, Contract, ContractViolation
 from opcontracts._engine.registry import merge_contracts
 from opcontracts.wheel.release_params import params_for
-
-
-@contextmanager
-def _stack(**pins: str) -> Iterator[None]:
-    prev = opcontracts.set_versions(**pins)
-    try:
-        yield
-    finally:
-        opcontracts.set_versions(**prev)
 
 
 def _init_routing_args() -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,7 +32,7 @@ def test_a_left_out_flag_is_judged_at_its_default_and_the_310p_call_passes() -> 
     # vllm-ascend's 310P AllGather dispatch leaves expert_tokens_num_flag at its default False;
     # op-plugin's docs allow False (no count output), so it must not be a false alarm
     x, ids = _init_routing_args()
-    with _stack(torch_npu="2.10.0.post4", cann="9.1.0", soc="Ascend310P3"):
+    with opcontracts.versions(torch_npu="2.10.0.post4", cann="9.1.0", soc="Ascend310P3"):
         opcontracts.check("npu_moe_init_routing_v2", x, ids, active_num=8, expert_num=4,
                           drop_pad_mode=0, active_expert_range=[0, 4], quant_mode=-1,
                           row_idx_type=0)
@@ -64,7 +52,7 @@ def _ksplit() -> tuple[list[torch.Tensor], list[torch.Tensor], dict[str, object]
 @pytest.mark.parametrize("release", ["2.5.1", "2.7.1", "2.8.0.post2", "2.9.0"])
 def test_the_k_split_is_rejected_where_the_release_glue_rejects_it(release: str) -> None:
     x, w, kw = _ksplit()
-    with _stack(torch_npu=release, cann="8.2.RC1", soc="Ascend910B3"):
+    with opcontracts.versions(torch_npu=release, cann="8.2.RC1", soc="Ascend910B3"):
         with pytest.raises(ContractViolation, match="group_type") as exc:
             opcontracts.check("npu_grouped_matmul", x, w, **kw)
     assert "only support -1 and 0" in str(exc.value)
@@ -73,7 +61,7 @@ def test_the_k_split_is_rejected_where_the_release_glue_rejects_it(release: str)
 @pytest.mark.parametrize("release", ["2.7.1.post4", "2.8.0.post4", "2.9.0.post2", "2.14.0"])
 def test_the_k_split_passes_from_the_releases_that_have_it(release: str) -> None:
     x, w, kw = _ksplit()
-    with _stack(torch_npu=release, cann="8.3.RC1", soc="Ascend910B3"):
+    with opcontracts.versions(torch_npu=release, cann="8.3.RC1", soc="Ascend910B3"):
         opcontracts.check("npu_grouped_matmul", x, w, **kw)
 
 
@@ -94,7 +82,7 @@ def test_a_call_with_out_tensors_binds_to_the_release_schema(release: str) -> No
     names = [p.name for p in params_for(("torch.ops.npu.npu_apply_adam",), release) or []]
     assert names[-4:] == ["var", "m", "v", "out"]
     grad, state = torch.randn(8), [torch.randn(8), torch.zeros(8), torch.zeros(8)]
-    with _stack(torch_npu=release, soc="Ascend910B3"):
+    with opcontracts.versions(torch_npu=release, soc="Ascend910B3"):
         opcontracts.check("npu_apply_adam", 0.9, 0.999, 1e-3, 0.9, 0.999, 1e-8, grad,
                           False, False, out=tuple(state))
         opcontracts.check("npu_apply_adam", 0.9, 0.999, 1e-3, 0.9, 0.999, 1e-8, grad,
@@ -111,7 +99,7 @@ def test_an_op_whose_only_schema_is_its_out_overload_takes_one_out_tuple() -> No
     x = torch.randn(64, 2, 256, dtype=torch.bfloat16)
     outs = (torch.zeros(256, dtype=torch.int32), torch.zeros(16384, dtype=torch.bfloat16),
             torch.zeros(4096, dtype=torch.bfloat16), torch.zeros(32768, dtype=torch.bfloat16))
-    with _stack(torch_npu="2.7.1.post4", soc="Ascend910B3"):
+    with opcontracts.versions(torch_npu="2.7.1.post4", soc="Ascend910B3"):
         opcontracts.check("npu_hans_encode", x, True, False, out=outs)
         opcontracts.check("npu_hans_encode", x, True, False, pdf=outs[0], mantissa=outs[1],
                           fixed=outs[2], var=outs[3])

@@ -174,15 +174,12 @@ def test_backward_kernel_checked_at_the_dispatcher(release: str) -> None:
     assert any(r.kind == "kernel" and r.op == "npu_moe_token_unpermute_grad_v2"
                for r in patch.patched())
     tokens, indices, probs = _inputs(F32)
-    prev = opcontracts.set_versions(cann="7.0.0")  # CANN < 8: the unpermute kernels: bf16 only
-    try:
+    with opcontracts.versions(cann="7.0.0"):  # CANN < 8: the unpermute kernels: bf16 only
         with opcontracts.mode("off"):
             permuted, sorted_indices = torch_npu.npu_moe_token_permute(tokens, indices)
             out = torch_npu.npu_moe_token_unpermute(permuted, sorted_indices, probs)
         with opcontracts.mode("strict"), pytest.raises(ContractViolation) as info:
             out.float().sum().backward()
-    finally:
-        opcontracts.set_versions(**prev)
     assert (info.value.op, info.value.arg) == ("npu_moe_token_unpermute_grad_v2", "probs")
 
 

@@ -32,11 +32,8 @@ def _target_op(x: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
 @pytest.fixture
 def op() -> Any:
     registry.register([NEW, OLD])
-    prev = opcontracts.set_versions(cann="unknown")
-    try:
+    with opcontracts.versions(cann="unknown"):
         yield opcontracts.enforce("tgt_op")(_target_op)
-    finally:
-        opcontracts.set_versions(**prev)
 
 
 X = torch.zeros(4, dtype=torch.bfloat16)

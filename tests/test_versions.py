@@ -329,6 +329,50 @@ def test_set_versions_without_arguments_rereads_the_environment() -> None:
     assert versions.current().cann == "8.0.RC3"
 
 
+# --------------------------------------------------------------------------- versions(...)
+def test_versions_block_pins_and_puts_back_every_pin() -> None:
+    os.environ["OPCONTRACTS_CANN_VERSION"] = "8.0.0"
+    versions.refresh()
+    opcontracts.set_versions(soc="Ascend910B1")
+    with opcontracts.versions(cann="8.0.RC3", soc=None, torch_npu="2.7.1") as v:
+        env = versions.current()
+        assert (env.cann, env.soc, env.torch_npu) == ("8.0.RC3", None, "2.7.1")
+        assert env.origin("cann") == "set_versions()"
+        assert repr(v) == "opcontracts.versions(torch_npu='2.7.1', cann='8.0.RC3', soc=None)"
+    env = versions.current()
+    assert (env.cann, env.soc, env.torch_npu) == ("8.0.0", "Ascend910B1", None)  # env var, pin
+    with pytest.raises(KeyError), opcontracts.versions(cann="9.1.0"):
+        raise KeyError("inside")
+    assert versions.current().cann == "8.0.0"  # also after an exception
+    assert "versions" in opcontracts.__all__
+
+
+def test_versions_nest_and_a_decorated_function_reenters() -> None:
+    seen: list[tuple[str | None, str | None]] = []
+
+    @opcontracts.versions(cann="8.0.RC3")
+    def step(depth: int) -> None:
+        seen.append((versions.current().cann, versions.current().soc))
+        if depth:
+            with opcontracts.versions(soc="Ascend950PR"):
+                step(depth - 1)  # the same decorator entered again, inside a block of its own
+            seen.append((versions.current().cann, versions.current().soc))
+
+    with opcontracts.versions(cann="9.1.0"):
+        step(1)
+        assert versions.current().cann == "9.1.0"
+    assert seen == [("8.0.RC3", None), ("8.0.RC3", "Ascend950PR"), ("8.0.RC3", None)]
+    assert (versions.current().cann, versions.current().soc) == (None, None)
+
+
+def test_versions_validates_where_it_is_written() -> None:
+    with pytest.raises(ValueError, match=r"opcontracts.versions\(cann='eight'\): not a version"):
+        opcontracts.versions(cann="eight")
+    with pytest.raises(TypeError, match="opcontracts.versions"):
+        opcontracts.versions(torch_npu=2.7)  # type: ignore[arg-type]
+    assert versions.current().cann is None
+
+
 # --------------------------------------------------------------------------- the registry
 @pytest.fixture
 def two_versions() -> Iterator[str]:
@@ -344,6 +388,14 @@ def two_versions() -> Iterator[str]:
         yield op
     finally:
         registry.unregister(op)
+
+
+def test_a_versions_block_decides_with_its_versions(two_versions: str) -> None:
+    with opcontracts.versions(cann="8.0.0"):
+        c = registry.resolve(two_versions)
+        assert c is not None and c.source == "new doc"
+    c = registry.resolve(two_versions)  # unknown again after the block: merged
+    assert c is not None and c.source == "new doc; old doc"
 
 
 def test_unknown_version_merges_into_the_strictest(two_versions: str) -> None:

@@ -46,6 +46,7 @@ import re
 import sys
 import threading
 from collections.abc import Iterable
+from contextlib import ContextDecorator
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import metadata
@@ -60,7 +61,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Env", "FIELDS", "current", "refresh", "applies", "explain", "describe", "rows", "set_versions",
-    "normalize_version", "parse_version", "satisfies", "soc_matches",
+    "normalize_version", "parse_version", "satisfies", "soc_matches", "versions",
 ]
 
 FIELDS: tuple[str, ...] = ("torch_npu", "cann", "mindspeed", "torch", "soc")
@@ -549,31 +550,24 @@ def refresh() -> Env:
 _KEEP: Any = object()
 
 
-def set_versions(*, torch_npu: str | None = _KEEP, cann: str | None = _KEEP,
-                 mindspeed: str | None = _KEEP, soc: str | None = _KEEP) -> dict[str, str | None]:
-    """Declare versions in code, over environment variables and detection.
-
-    ``set_versions(cann="8.0.RC3")`` pins CANN; ``None`` removes a pin (back to detection);
-    ``"unknown"`` forces unknown (every candidate contract applies, merged into the strictest).
-    Arguments left out keep their pin.  Returns the previous pins of all four names, so
-    ``prev = set_versions(...); ...; set_versions(**prev)`` restores them.  Without arguments
-    it only re-detects (after changing ``os.environ`` in-process).
-
-    Resolutions of contracts are recomputed on their next use, and every guard that follows
-    the registry (the patch's, ``enforce("op")``) resolves again on its next call.
-    """
+def _given(torch_npu: Any, cann: Any, mindspeed: Any, soc: Any, where: str) -> dict[str, str | None]:
+    """The pins named (``_KEEP`` left out), validated: ``where`` names the call in errors."""
     given = {k: v for k, v in {"torch_npu": torch_npu, "cann": cann, "mindspeed": mindspeed,
                                "soc": soc}.items() if v is not _KEEP}
     for k, v in given.items():  # validate everything before changing anything
         if v is None:
             continue
         if not isinstance(v, str):
-            raise TypeError(f"set_versions({k}=...): expected a string or None, got {v!r}")
+            raise TypeError(f"{where}({k}=...): expected a string or None, got {v!r}")
         text = v.strip()
         if not text or (k != "soc" and text.lower() != UNKNOWN
                         and normalize_version(text) is None):
-            raise ValueError(f"set_versions({k}={v!r}): not a version "
+            raise ValueError(f"{where}({k}={v!r}): not a version "
                              "(try '2.13.0', '8.0.RC3' or 'unknown')")
+    return given
+
+
+def _pin(given: dict[str, str | None]) -> dict[str, str | None]:
     with _lock:
         prev: dict[str, str | None] = {k: _overrides.get(k) for k in FIELDS if k in ENV_VARS}
         for k, v in given.items():
@@ -583,6 +577,57 @@ def set_versions(*, torch_npu: str | None = _KEEP, cann: str | None = _KEEP,
                 _overrides[k] = v.strip()
     refresh()
     return prev
+
+
+def set_versions(*, torch_npu: str | None = _KEEP, cann: str | None = _KEEP,
+                 mindspeed: str | None = _KEEP, soc: str | None = _KEEP) -> dict[str, str | None]:
+    """Declare versions in code, over environment variables and detection.
+
+    ``set_versions(cann="8.0.RC3")`` pins CANN; ``None`` removes a pin (back to detection);
+    ``"unknown"`` forces unknown (every candidate contract applies, merged into the strictest).
+    Arguments left out keep their pin.  Returns the previous pins of all four names, so
+    ``prev = set_versions(...); ...; set_versions(**prev)`` restores them (``versions(...)``
+    does that for a block or a function).  Without arguments it only re-detects (after
+    changing ``os.environ`` in-process).
+
+    Resolutions of contracts are recomputed on their next use, and every guard that follows
+    the registry (the patch's, ``enforce("op")``) resolves again on its next call.
+    """
+    return _pin(_given(torch_npu, cann, mindspeed, soc, "set_versions"))
+
+
+class versions(ContextDecorator):  # noqa: N801 - reads like opcontracts.mode
+    """Pin versions for a block or a function and put the previous pins back after it:
+    ``with opcontracts.versions(torch_npu="2.7.1", cann="8.0.RC3"): ...`` or
+    ``@opcontracts.versions(soc="Ascend950PR")``.
+
+    The arguments are ``set_versions``'s (validated here, so a bad version fails where it is
+    written, not at the first call); on exit all four pins are what they were on entry, also
+    after an exception.  Versions are the process's, not a thread's (guards resolve against
+    one registry): entries nest, innermost first out, and a block in one thread pins them for
+    every thread while it runs."""
+
+    def __init__(self, *, torch_npu: str | None = _KEEP, cann: str | None = _KEEP,
+                 mindspeed: str | None = _KEEP, soc: str | None = _KEEP) -> None:
+        self._pins = _given(torch_npu, cann, mindspeed, soc, "opcontracts.versions")
+        self._prev: list[dict[str, str | None]] = []  # per entry: one object may be re-entered
+
+    def __enter__(self) -> versions:
+        self._prev.append(_pin(self._pins))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _pin(self._prev.pop())
+
+    def _recreate_cm(self) -> versions:
+        # a fresh instance per decorated call: concurrent calls never share the pins to restore
+        new = type(self).__new__(type(self))
+        new._pins, new._prev = self._pins, []
+        return new
+
+    def __repr__(self) -> str:
+        pins = ", ".join(f"{k}={v!r}" for k, v in self._pins.items())
+        return f"opcontracts.versions({pins})"
 
 
 def rows(env: Env) -> list[tuple[str, str, str]]:

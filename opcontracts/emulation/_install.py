@@ -50,7 +50,7 @@ def install(
 
     ``profile`` is a name from ``PROFILES`` or a mapping of the same structure.  A named
     profile behaves as one stack (``_profiles.STACKS``: torch_npu, CANN, SoC), and while the
-    emulation is installed the detected versions say so (``opcontracts.versions()``: CANN and
+    emulation is installed the detected versions say so (``opcontracts env``: CANN and
     the SoC from the stand-in ``torch_npu``), so strict mode judges calls on the stack whose
     kernels run; ``set_versions``, ``OPCONTRACTS_*_VERSION`` and declared targets still win.
     A custom mapping states no CANN (unknown).  ``version`` is

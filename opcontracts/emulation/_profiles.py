@@ -185,7 +185,7 @@ PROFILES: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {
 @dataclass(frozen=True)
 class Stack:
     """The real stack a profile's kernels behave as: what the emulation reports while it is
-    installed (``opcontracts.versions()``, ``opcontracts run``'s header), so the contracts judge
+    installed (``opcontracts env``, ``opcontracts run``'s header), so the contracts judge
     calls on the stack whose kernels run.  ``torch_npu`` is the release whose schemas and
     structure the ops have (``install(version=...)`` overrides it); ``soc`` the chip the npu
     device reports (``install(device="...")`` overrides it); ``cann`` the CANN release whose
