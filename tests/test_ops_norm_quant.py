@@ -262,6 +262,75 @@ def test_mrope_rope_and_mrope_modes(npu: Any) -> None:
     assert torch.equal(k3, _mrope_ref(pos3, k, cache, hs, [4, 6, 6]))
 
 
+def _mrope_cos_sin_by_loop(positions: torch.Tensor, cache: torch.Tensor, section: list[int],
+                           interleave: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T, rotaryDim/2) cos and sin of mrope, one frequency at a time: the three sections in
+    order, or interleaved as Qwen3-VL's multimodal rope (t, h, w, t, h, w, ..., then t)."""
+    half = cache.size(-1) // 2
+    cos, sin = torch.empty(positions.size(1), half), torch.empty(positions.size(1), half)
+    bounds = [section[0], section[0] + section[1]]
+    for j in range(half):
+        if interleave:
+            row = 1 if j % 3 == 1 and j < 3 * section[1] else \
+                2 if j % 3 == 2 and j < 3 * section[2] else 0
+        else:
+            row = 0 if j < bounds[0] else 1 if j < bounds[1] else 2
+        cos[:, j] = cache.float()[positions[row], j]
+        sin[:, j] = cache.float()[positions[row], half + j]
+    return cos, sin
+
+
+def test_mrope_interleaved_cache_mode_takes_frequencies_in_turn(npu: Any) -> None:
+    """``cache_mode`` (the doc: how cos and sin are put together): 'default' three sections,
+    'interleave' the rows in turn; a CANN with the V2 kernel (9.0.0 here) runs it."""
+    from opcontracts.reference._fam_norm_quant import _mrope_rows
+
+    assert _mrope_rows([2, 1, 1], 4, interleave=False).tolist() == [0, 0, 1, 2]
+    assert _mrope_rows([2, 1, 1], 4, interleave=True).tolist() == [0, 1, 2, 0]
+    assert _mrope_rows([24, 20, 20], 64, interleave=True).bincount().tolist() == [24, 20, 20]
+    t, hs, max_seq, section = 4, 32, 8, [6, 5, 5]
+    q, k, cache = _vals(t, 2 * hs, dtype=FP32), _vals(t, hs, seed=1, dtype=FP32), \
+        _vals(max_seq, hs, seed=2, dtype=FP32)
+    pos = torch.stack([torch.tensor([0, 3, 5, 7]), torch.tensor([7, 5, 3, 0]),
+                       torch.tensor([1, 1, 2, 2])])
+    with opcontracts.versions(cann="9.0.0"), opcontracts.mode("strict"):
+        outs = {m: npu.npu_mrope(pos, q, k, cache, hs, mrope_section=section, cache_mode=m)
+                for m in ("default", "interleave")}
+    for mode, (qo, _) in outs.items():
+        cos, sin = _mrope_cos_sin_by_loop(pos, cache, section, mode == "interleave")
+        x1, x2 = q.view(t, -1, hs).chunk(2, -1)
+        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+        want = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1).reshape(q.shape)
+        torch.testing.assert_close(qo, want, msg=mode)
+    assert not torch.equal(outs["default"][0], outs["interleave"][0])
+    # rope mode (positions (T,)): one row, nothing to put together, the same either way
+    with opcontracts.versions(cann="9.0.0"):
+        rope = [npu.npu_mrope(pos[0], q, k, cache, hs, cache_mode=m)[0]
+                for m in ("default", "interleave")]
+    assert torch.equal(rope[0], rope[1])
+
+
+def test_mrope_glue_refuses_what_op_plugin_refuses(npu: Any) -> None:
+    """op-plugin's glue: an unknown cache_mode, and 'interleave' where CANN has no
+    aclnnRopeWithSinCosCacheV2; a rotary_mode other than 'half' runs gpt-j style there (the
+    contract refuses it in strict mode)."""
+    t, hs = 4, 32
+    q, k, cache = _vals(t, 2 * hs), _vals(t, hs, seed=1), _vals(8, hs, seed=2)
+    pos = torch.tensor([0, 3, 5, 7])
+    with opcontracts.mode("off"):
+        with opcontracts.versions(cann="9.0.0"), \
+                pytest.raises(RuntimeError, match="cache_mode only support default or interleave"):
+            npu.npu_mrope(pos, q, k, cache, hs, cache_mode="invalid_mode")
+        with opcontracts.versions(cann="8.5.0"), \
+                pytest.raises(RuntimeError, match="requires aclnnRopeWithSinCosCacheV2"):
+            npu.npu_mrope(pos, q, k, cache, hs, cache_mode="interleave")
+        odd = npu.npu_mrope(pos, q, k, cache, hs, rotary_mode="quarter")
+        gptj = npu.npu_mrope(pos, q, k, cache, hs, rotary_mode="interleave")
+    assert torch.equal(odd[0], gptj[0]) and torch.equal(odd[1], gptj[1])
+    assert _rule(_violation(npu.npu_mrope, pos, q, k, cache, hs, cache_mode="invalid_mode")) == (
+        "cache_mode", "allowed")
+
+
 def test_mrope_rules_and_positions_in_range(npu: Any) -> None:
     t, hs = 4, 32
     q, k, cache = _vals(t, 2 * hs), _vals(t, hs, seed=1), _vals(8, hs, seed=2)

@@ -90,6 +90,26 @@ def _rotary_mode(op: str) -> Callable[[Mapping[str, Any]], None]:
     return check
 
 
+def _mrope_cache_mode(args: Mapping[str, Any]) -> None:
+    """op-plugin RopeWithSinCosCacheKernelNpuOpApi.cpp (49a65c88, 2026-03: the releases whose
+    ``npu_mrope`` has ``cache_mode``, 2.7.1.post4, 2.8.0.post4, 2.9.0.post2 on): ``cache_mode``
+    is ``default`` or ``interleave``, and ``interleave`` needs ``aclnnRopeWithSinCosCacheV2``,
+    looked up in the CANN installed: from CANN 9.0.0 here (op-plugin's test gates its cache-mode
+    cases on 9.0.0; no doc names the first CANN with the V2 kernel).  ``rotary_mode`` is not
+    refused there: any value but ``half`` runs gpt-j style (``is_neox_style``'s check is always
+    true until master's 96b51a1d, 2026-08); the contract allows half / interleave only."""
+    from . import _npu_api
+
+    mode = args.get("cache_mode")
+    mode = "default" if mode is None else mode
+    if mode not in ("default", "interleave"):
+        raise RuntimeError("cache_mode only support default or interleave")
+    if mode == "interleave" and not _npu_api.is_gte_cann_version("9.0.0"):
+        raise RuntimeError(f"npu_mrope: cache_mode='{mode}' requires aclnnRopeWithSinCosCacheV2, "
+                           "but current environment does not support it. Please upgrade CANN or "
+                           "use cache_mode='default'.")
+
+
 def _dropout_probability(args: Mapping[str, Any]) -> None:
     """op-plugin DropoutGenMaskKernelNpuOpApi.cpp: ``p`` in [0, 1]."""
     p = float(args["p"])
@@ -101,6 +121,7 @@ GLUE_CHECKS: dict[str, Callable[[Mapping[str, Any]], None]] = {
     "_npu_dropout_gen_mask": _dropout_probability,
     "npu_grouped_matmul": lambda a: _grouped_matmul(a, tensor_group_list=True),
     "npu_grouped_matmul.List": lambda a: _grouped_matmul(a, tensor_group_list=False),
+    "npu_mrope": _mrope_cache_mode,
     "npu_rotary_mul": _rotary_mode("npu_rotary_mul"),
     "npu_rotary_mul_backward": _rotary_mode("npu_rotary_mul_backward"),
 }

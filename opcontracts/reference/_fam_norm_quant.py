@@ -24,8 +24,7 @@ other way and differ by one step from the kernel's).  Integer arguments that may
 
 Readings where the docs leave something open (each named in the contract's ``doc`` too):
 rows a ``group_index`` does not cover are zero (the docs: not written, garbage); rounding is
-half-to-even (``torch.round``); ``npu_mrope``'s ``cache_mode='interleave'`` reads cos from the
-even and sin from the odd columns of the cache; ``npu_dynamic_mx_quant`` packs two FP4 codes
+half-to-even (``torch.round``); ``npu_dynamic_mx_quant`` packs two FP4 codes
 per byte low nibble first, as OCP MX (scale_alg 0) with ``round_mode='rint'``.  Modes the
 emulation does not compute raise ``NotImplementedError`` naming the mode: int4-packed int32
 and int32-output ``npu_quant_matmul``, its fp8 / fp4 / hifloat8 modes (``x1_dtype`` ...),
@@ -196,41 +195,58 @@ def npu_mrope(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
               cos_sin_cache: torch.Tensor, head_size: int, *,
               mrope_section: Sequence[int] | None = None, rotary_mode: str | None = "half",
               cache_mode: str | None = "default") -> tuple[torch.Tensor, torch.Tensor]:
-    """torch_npu 2.14.0 doc (vLLM's rope / mrope): cos and sin are looked up in
-    ``cos_sin_cache`` (maxSeqLen, rotaryDim) at ``positions`` ((T,) rope; (3, T) mrope, whose
-    three rows give the sections ``mrope_section`` of the half rotary dim); each head's first
-    rotaryDim features of query / key ((T, heads*head_size)) are rotated, neox style
-    (``'half'``) or gpt-j style (``'interleave'``).  Positions past the cache read zeros."""
+    """torch_npu 2.14.0 doc (vLLM's rope / mrope): cos and sin are the two halves of each row
+    of ``cos_sin_cache`` (maxSeqLen, rotaryDim) looked up at ``positions``: (T,) is rope, (3, T)
+    mrope, whose three rows (temporal, height, width) share the rotaryDim/2 frequencies by
+    ``mrope_section``.  ``cache_mode`` (the doc: how cos and sin are put together) says how:
+    ``'default'`` in three consecutive sections, ``'interleave'`` frequency by frequency
+    (``_mrope_rows``); it changes nothing in rope mode.  Each head's first rotaryDim features of
+    query / key ((T, heads*head_size)) are rotated neox style for ``'half'``, gpt-j style
+    otherwise (op-plugin's glue hands the kernel ``is_neox_style = rotary_mode == "half"``).
+    Positions past the cache read zeros."""
     rd = cos_sin_cache.size(-1)
     acc = acc_dtype(query)
     cache = cos_sin_cache.to(acc)
     idx, valid = safe_index(positions, cache.size(0))
     cs = (cache.index_select(0, idx) * valid.unsqueeze(1).to(acc)).view(*positions.shape, rd)
-    if cache_mode == "interleave":
-        cos, sin = cs[..., 0::2], cs[..., 1::2]
-    else:
-        cos, sin = cs[..., : rd // 2], cs[..., rd // 2:]
-    if positions.dim() == 2:
-        sections = list(mrope_section or [0, 0, 0])
-        if sum(sections) != rd // 2:
-            raise ValueError(f"npu_mrope: mrope_section {sections} must sum to rotary_dim/2 "
-                             f"= {rd // 2}")
-        cos = torch.cat([c[i] for i, c in enumerate(cos.split(sections, dim=-1))], dim=-1)
-        sin = torch.cat([s[i] for i, s in enumerate(sin.split(sections, dim=-1))], dim=-1)
+    cos, sin = cs[..., : rd // 2], cs[..., rd // 2:]
+    if positions.dim() == 2:  # (3, T, rd/2): each frequency from its row
+        rows = _mrope_rows(list(mrope_section or [0, 0, 0]), rd // 2, cache_mode == "interleave")
+        pick = rows.to(cs.device).view(1, 1, -1).expand(1, *cos.shape[1:])
+        cos, sin = cos.gather(0, pick)[0], sin.gather(0, pick)[0]
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (T, 1, rd/2): every head
 
     def rotate(t: torch.Tensor) -> torch.Tensor:
         tf = t.to(acc).view(t.size(0), -1, head_size)
         rot, rest = tf[..., :rd], tf[..., rd:]
-        if rotary_mode == "interleave":
-            x1, x2 = rot[..., 0::2], rot[..., 1::2]
-            out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
-        else:
+        if rotary_mode == "half":
             x1, x2 = rot.chunk(2, dim=-1)
             out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        else:
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
+            out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
         return torch.cat([out, rest], dim=-1).reshape(t.shape).to(t.dtype)
 
     return rotate(query), rotate(key)
+
+
+def _mrope_rows(sections: list[int], half: int, interleave: bool) -> torch.Tensor:
+    """Which position row (0 temporal, 1 height, 2 width) gives each of the ``half`` = rotaryDim/2
+    frequencies of mrope.  Three sections (``cache_mode='default'``): the first ``sections[0]``
+    from row 0, the next ``sections[1]`` from row 1, the last ``sections[2]`` from row 2.
+    Interleaved (``'interleave'``, the multimodal rope of Qwen3-VL): frequencies cycle through
+    the rows, j % 3 == 1 from row 1 while j < 3 * sections[1], j % 3 == 2 from row 2 while
+    j < 3 * sections[2], every other from row 0."""
+    if len(sections) != 3 or sum(sections) != half:
+        raise ValueError(f"npu_mrope: mrope_section {sections} must be three numbers summing to "
+                         f"rotary_dim/2 = {half}")
+    if not interleave:
+        return torch.repeat_interleave(torch.arange(3), torch.tensor(sections))
+    j = torch.arange(half)
+    rows = torch.zeros(half, dtype=torch.long)
+    rows[(j % 3 == 1) & (j < 3 * sections[1])] = 1
+    rows[(j % 3 == 2) & (j < 3 * sections[2])] = 2
+    return rows
 
 
 def _mrope_example(gen: torch.Generator) -> Example:
