@@ -169,3 +169,26 @@ def test_the_cross_entropy_node_does_not_keep_the_logits(release: str) -> None:
     loss.backward()
     expected = torch.softmax(logits.detach(), -1) - torch.nn.functional.one_hot(target, 10)
     torch.testing.assert_close(logits.grad, expected, rtol=1e-4, atol=1e-5)
+
+
+# The permute node's list changes inside one line of releases (the wheels' Functions.h, read into
+# the digest): 2.7.1.post6 saves tokens, indices and sorted_indices (result1), 2.7.1.post8 (the v2
+# grad op) only sorted_indices.  The emulation keeps what the installed release's node keeps.
+@pytest.mark.parametrize(("release", "kept"), [("2.7.1.post6", {"tokens", "indices", 1}),
+                                               ("2.7.1.post8", {1})], indirect=["release"])
+def test_the_permute_node_keeps_what_the_installed_release_keeps(release: str, kept: set[Any]
+                                                                 ) -> None:
+    import torch_npu
+
+    from opcontracts.wheel import digest
+
+    assert set(digest.load().release(release).node_saves("npu_moe_token_permute") or ()) == kept
+    tokens = torch.randn(6, 16).to(BF16).requires_grad_()
+    indices = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0], [0, 2], [1, 3]])
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        permuted, sorted_indices = torch_npu.npu_moe_token_permute(tokens, indices)
+    named = {"tokens": tokens, "indices": indices, 1: sorted_indices}
+    assert {_storage(t) for t in saved} == {_storage(named[k]) for k in kept}
+    permuted.float().sum().backward()  # the backward runs on what was kept
+    assert tokens.grad is not None and torch.equal(tokens.grad, torch.full_like(tokens, 2))

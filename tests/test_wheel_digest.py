@@ -53,11 +53,40 @@ def npu_toy_meta(x, gamma=None, flag=False):
     return torch.empty_like(x, dtype=torch.float32)
 '''
 BINDINGS = "import torch\nimport torch_npu\ntorch_npu.npu_toy = torch.ops.npu.npu_toy\n"
+# torchgen's layout: the _WIN32 twin without TORCH_API, one member a line, a list member
+FUNCTIONS_H = """\
+#ifdef _WIN32
+struct NpuToyBackward0 : public TraceableFunction {
+  TORCH_API NpuToyBackward0() = default;
+#else
+struct TORCH_API NpuToyBackward0 : public TraceableFunction {
+#endif
+  using TraceableFunction::TraceableFunction;
+  variable_list apply(variable_list&& grads) override;
+  std::string name() const override { return "NpuToyBackward0"; }
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    gamma_.reset_data();
+    result_.reset_data();
+  }
+  bool flag;
+  SavedVariable gamma_;
+  at::ScalarType x_scalar_type;
+  SavedVariable result_;
+
+};
+struct TORCH_API NpuOtherBackward0 : public TraceableFunction {
+  std::vector<SavedVariable> weights_;
+  bool weights_released_ = false;
+  SavedVariable nowhere_;
+};
+"""
 
 
 def make_wheel(folder: Path, version: str, *, dtypes: str = "float16、bfloat16",
-               extra: str = "") -> Path:
-    """A tiny torch_npu wheel with the four files the tools read (and METADATA)."""
+               extra: str = "", nodes: bool = True) -> Path:
+    """A tiny torch_npu wheel with the five files the tools read (and METADATA); ``nodes``:
+    with the autograd header (the only file a wheel may lack)."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"torch_npu-{version}-cp311-cp311-manylinux_2_28_x86_64.whl"
     with zipfile.ZipFile(path, "w") as z:
@@ -68,6 +97,8 @@ def make_wheel(folder: Path, version: str, *, dtypes: str = "float16、bfloat16"
         z.writestr(_source.PATHS["docs"], DOCS.replace("{dtypes}", dtypes))
         z.writestr(_source.PATHS["meta"], META)
         z.writestr(_source.PATHS["bindings"], BINDINGS)
+        if nodes:
+            z.writestr(_source.PATHS["autograd"], FUNCTIONS_H)
     return path
 
 
@@ -132,6 +163,40 @@ def test_build_is_deterministic_content_addressed_and_restrictable(tmp_path: Pat
     path = tmp_path / "d.json.gz"
     size = digest.save(data, path)
     assert size == path.stat().st_size and digest.load(path).versions == d.versions
+
+
+def test_the_autograd_nodes_say_what_each_derivative_saves(tmp_path: Path) -> None:
+    """Functions.h's nodes, by the op's schema: argument names, and output indices
+    (``result`` of a one-output op is output 0); an optional file."""
+    data = digest.build(_source.read_wheels([make_wheel(tmp_path, "9.0.0"),
+                                             make_wheel(tmp_path / "b", "9.1.0", nodes=False)]))
+    old, new = digest.Digest(data).release("9.0.0"), digest.Digest(data).release("9.1.0")
+    assert old.nodes == {"NpuToyBackward0": ["gamma", "result"],
+                         "NpuOtherBackward0": ["weights", "nowhere"]}
+    assert old.node_saves("npu_toy") == ("gamma", 0)
+    assert old.node_saves("npu_new") is None  # no node of that name
+    assert new.nodes == {} and new.node_saves("npu_toy") is None  # no header: nothing known
+    assert "autograd" in " ".join(digest.compare(data, digest.build(
+        _source.read_wheels([make_wheel(tmp_path / "c", "9.0.0", nodes=False)]))))
+    legacy = {k: v for k, v in data.items() if k != "autograd"}  # a digest made before
+    assert digest.Digest(digest.loads(digest.dumps(legacy))).release("9.0.0").nodes == {}
+
+
+def test_the_shipped_digest_has_the_nodes_of_the_emulated_derivatives() -> None:
+    """What torch_npu's nodes keep, release by release (``Functions.h`` of each wheel): the
+    unpermute node saves the permuted tokens where the public op is a plain op, the internal
+    op's second output where it has one; the permute node stops saving its inputs with the
+    v2 grad op."""
+    d = digest.load()
+    assert d.release("2.7.1").node_saves("npu_moe_token_unpermute") == (
+        "permuted_tokens", "probs", "sorted_indices")
+    assert d.release("2.12.0.post3").node_saves("_npu_moe_token_unpermute") == (
+        "probs", "sorted_indices", 1)
+    assert d.release("2.12.0.post3").node_saves("npu_moe_token_unpermute") is None
+    assert d.release("2.7.1").node_saves("npu_moe_token_permute") == ("indices", "tokens", 1)
+    assert d.release("2.14.0").node_saves("npu_moe_token_permute") == (1,)
+    assert d.release("2.14.0").node_saves("npu_cross_entropy_loss") == ("target", "weight", 1, 3)
+    assert all(d.release(v).nodes for v in d.versions)
 
 
 def test_the_shipped_digest_covers_the_releases() -> None:

@@ -10,38 +10,26 @@ A backward formula is a plain function ``backward(inputs, outputs, grads) -> {na
 ``inputs`` maps every schema argument name to its value, ``outputs`` and ``grads`` have the
 op's output structure. Names it leaves out get no gradient.
 
-What the node keeps for backward is the formula's to say, as torch_npu's generated nodes keep
-what their formula reads (``Functions.h``: one ``SavedVariable`` per saved argument or
-``resultN``): a formula marked with :func:`saving` has only those tensors saved (through
-``save_for_backward``, so saved-tensor hooks see exactly them); every other tensor argument or
-output reaches it as a meta tensor of the same shape and dtype (what a node keeps as
-``sym_argsize`` / ``scalar_type``), which holds no memory.  An unmarked formula has every
-tensor input and output saved.
+What the node keeps for backward is what torch_npu's generated node keeps (``saves``: the
+release's ``Functions.h``, one ``SavedVariable`` per saved argument or output, read into the
+wheel digest): only those tensors are saved (through ``save_for_backward``, so saved-tensor
+hooks see exactly them); every other tensor argument or output reaches the formula as a meta
+tensor of the same shape and dtype (what a node keeps as ``sym_argsize`` / ``scalar_type``),
+which holds no memory.  Without a node (``saves`` None) every tensor input and output is saved.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["BackwardFn", "make_autograd_kernel", "saving"]
+__all__ = ["BackwardFn", "make_autograd_kernel"]
 
 BackwardFn = Callable[[dict[str, Any], Any, Any], dict[str, Any]]
-
-
-def saving(*saved: str | int) -> Callable[[BackwardFn], BackwardFn]:
-    """Mark a backward formula with what its node saves: argument names and output indices
-    (``resultN`` of ``Functions.h``)."""
-
-    def mark(fn: BackwardFn) -> BackwardFn:
-        fn.saves = frozenset(saved)  # type: ignore[attr-defined]
-        return fn
-
-    return mark
 
 
 def _shape_only(t: torch.Tensor) -> torch.Tensor:
@@ -54,16 +42,18 @@ class _CallInfo:
     keyset: Any
     in_spec: pytree.TreeSpec
     out_spec: pytree.TreeSpec | None = None
-    leaf_names: list[str] | None = None  # the argument each input leaf belongs to (``saving``)
+    leaf_names: list[str] | None = None  # the argument each input leaf belongs to (``saves``)
 
 
-def make_autograd_kernel(op: torch._ops.OpOverload, backward: BackwardFn) -> Callable[..., Any]:
-    """A kernel for ``lib.impl(name, kernel, "Autograd", with_keyset=True)``."""
+def make_autograd_kernel(op: torch._ops.OpOverload, backward: BackwardFn,
+                         saves: Iterable[str | int] | None = None) -> Callable[..., Any]:
+    """A kernel for ``lib.impl(name, kernel, "Autograd", with_keyset=True)``; ``saves``: the
+    argument names and output indices the node keeps (None: every tensor)."""
     schema = op._schema
     names = [a.name for a in schema.arguments]
     kwarg_only = [a.kwarg_only for a in schema.arguments]
     after_autograd = torch._C._after_autograd_keyset
-    saves: frozenset[str | int] | None = getattr(backward, "saves", None)
+    keeps = None if saves is None else frozenset(saves)
 
     def redispatch(keyset: Any, values: list[Any]) -> Any:
         args = [v for v, kw in zip(values, kwarg_only, strict=True) if not kw]
@@ -81,10 +71,10 @@ def make_autograd_kernel(op: torch._ops.OpOverload, backward: BackwardFn) -> Cal
             out_pos = [i for i, v in enumerate(flat_out) if isinstance(v, torch.Tensor)]
             ctx.in_plain = [None if isinstance(v, torch.Tensor) else v for v in flat]
             ctx.out_plain = [None if isinstance(v, torch.Tensor) else v for v in flat_out]
-            if saves is not None:  # the formula's own: the rest by shape and dtype only
+            if keeps is not None:  # the node's: the rest by shape and dtype only
                 assert info.leaf_names is not None
-                kept_in = [i for i in in_pos if info.leaf_names[i] in saves]
-                kept_out = [i for i in out_pos if i in saves]
+                kept_in = [i for i in in_pos if info.leaf_names[i] in keeps]
+                kept_out = [i for i in out_pos if i in keeps]
                 for i in set(in_pos) - set(kept_in):
                     ctx.in_plain[i] = _shape_only(flat[i])
                 for i in set(out_pos) - set(kept_out):
@@ -134,7 +124,7 @@ def make_autograd_kernel(op: torch._ops.OpOverload, backward: BackwardFn) -> Cal
         if not needs_grad:
             return redispatch(keyset, values)
         info = _CallInfo(keyset=keyset, in_spec=spec)
-        if saves is not None:
+        if keeps is not None:
             info.leaf_names = [n for n, v in zip(names, values, strict=True)
                                for _ in pytree.tree_leaves(v)]
         flat_out = Generated.apply(info, *flat)

@@ -19,9 +19,10 @@ Two kinds, on purpose:
   calls from its Python backward, but these nodes do not call them yet.)
 
 Every formula: ``(inputs, outputs, grads) -> {argument name: gradient}`` (see ``_autograd``).
-Those of torch_npu's nodes say what the node saves (``saving``, from the wheels' ``Functions.h``):
-the other tensors reach them by shape and dtype only, as on the NPU, so a saved-tensor hook
-sees what it would see there and the backward keeps no more memory alive.
+Its node saves what torch_npu's node of the op saves in the release (the wheels'
+``Functions.h``, through the digest: ``_ops``); the other tensors reach the formula by shape and
+dtype only, as on the NPU, so a saved-tensor hook sees what it would see there and the backward
+keeps no more memory alive.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from __future__ import annotations
 from typing import Any
 
 from .. import reference
-from ._autograd import saving
 from ._captured import call
 from ._release import Structure
 
@@ -39,7 +39,6 @@ __all__ = ["BACKWARDS", "moe_token_backwards"]
 # --------------------------------------------------------------------------- through grad ops
 
 
-@saving("tokens", "indices", 1)  # Functions.h (2.7.1): tokens_, indices_, result1_
 def permute_backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[str, Any]:
     """``NpuMoeTokenPermuteBackward0`` up to 2.12.0: ``npu_moe_token_permute_grad``."""
     grad_permuted, _ = grads
@@ -49,7 +48,6 @@ def permute_backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[s
     return {"tokens": grad_tokens}
 
 
-@saving(1)  # Functions.h (2.12.0, 2.14.0): result1_ (and the sizes, the dtype)
 def permute_backward_v2(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[str, Any]:
     """``NpuMoeTokenPermuteBackward0`` from 2.12.0 (``Functions.h`` saves ``tokens_scalar_type``,
     ``tokens_sym_argsize_0``, ``indices_dim``, ``indices_sym_argsize_minus_1``):
@@ -63,7 +61,6 @@ def permute_backward_v2(inputs: dict[str, Any], outputs: Any, grads: Any) -> dic
     return {"tokens": grad_tokens}
 
 
-@saving("permuted_tokens", "probs", "sorted_indices")  # Functions.h (2.7.1, 2.12.0)
 def unpermute_backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[str, Any]:
     """``NpuMoeTokenUnpermuteBackward0`` where the public op is a plain op (2.7.1, 2.12.0):
     ``npu_moe_token_unpermute_grad``."""
@@ -74,7 +71,6 @@ def unpermute_backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict
     return {"permuted_tokens": grad_permuted, "probs": grad_probs if probs is not None else None}
 
 
-@saving("probs", "sorted_indices", 1)  # Functions.h (2.14.0): no permuted_tokens_
 def internal_unpermute_backward(inputs: dict[str, Any], outputs: Any, grads: Any
                                 ) -> dict[str, Any]:
     """``NpuMoeTokenUnpermuteBackward0`` of ``_npu_moe_token_unpermute`` (2.13.0's
@@ -90,14 +86,12 @@ def internal_unpermute_backward(inputs: dict[str, Any], outputs: Any, grads: Any
     return {"permuted_tokens": grad_permuted, "probs": grad_probs if probs is not None else None}
 
 
-@saving("self")  # Functions.h: self_
 def swiglu_backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[str, Any]:
     """torch_npu's derivative of ``npu_swiglu`` (op-plugin ``derivatives.yaml``: ``self:
     npu_swiglu_backward(grad, self, dim)``): the backward kernel, with its own dtype profile."""
     return {"self": call("npu_swiglu_backward", grads, inputs["self"], inputs["dim"])}
 
 
-@saving("gamma", "self", 1)  # Functions.h: gamma_, self_, result1_
 def rms_norm_backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[str, Any]:
     """``NpuRmsNormBackward0`` (saves gamma, self and rstd): ``npu_rms_norm_backward``, the
     backward kernel with its own dtype profile (rstd's gradient is not used)."""
@@ -106,7 +100,6 @@ def rms_norm_backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[
     return {"self": dx, "gamma": dgamma}
 
 
-@saving("self", "r1", "r2")  # Functions.h: self_, r1_, r2_
 def rotary_mul_backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[str, Any]:
     """``NpuRotaryMulBackward0`` (saves self, r1, r2): ``npu_rotary_mul_backward(grad, self, r1,
     r2, rotary_mode)``, the backward kernel with its own dtype profile."""
@@ -128,22 +121,8 @@ def moe_token_backwards(structure: Structure) -> dict[str, Any]:
         table["npu_moe_token_unpermute"] = unpermute_backward if structure.unpermute_backward else None
     if structure.routing_map_internal is not None:  # the formula, on the internal op's output
         ref = reference.get(structure.routing_map_internal)
-        table[structure.routing_map_internal] = _formula(ref) if ref is not None else None
+        table[structure.routing_map_internal] = ref.backward if ref is not None else None
     return table
-
-
-def _formula(ref: reference.Reference) -> Any:
-    """A reference's backward formula, marked with what its node saves (``Reference.saves``),
-    as a function of its own: the reference's is shared with the compare and the probe."""
-    fn = ref.backward
-    if fn is None or ref.saves is None:
-        return fn
-
-    def formula(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[str, Any]:
-        return fn(inputs, outputs, grads)
-
-    formula.__name__ = formula.__qualname__ = getattr(fn, "__name__", "formula")
-    return saving(*ref.saves)(formula)
 
 
 def _backwards() -> dict[str, Any]:
@@ -154,7 +133,7 @@ def _backwards() -> dict[str, Any]:
     for name in reference.names():
         ref = reference.get(name)
         if ref is not None and ref.backward is not None and not name.startswith("mindspeed."):
-            table[name] = _formula(ref)
+            table[name] = ref.backward
     table["npu_swiglu"] = swiglu_backward  # through its backward kernel, not the formula
     table["npu_rms_norm"] = rms_norm_backward  # likewise
     table["npu_rotary_mul"] = rotary_mul_backward  # likewise

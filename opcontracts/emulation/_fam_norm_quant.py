@@ -31,7 +31,6 @@ from typing import Any
 import torch
 
 from . import _captured
-from ._autograd import saving
 from ._family import NO_DERIVATIVE, EmulatedOp
 
 __all__ = ["OPS"]
@@ -180,7 +179,6 @@ def _dequant_swiglu_quant_fake(
 
 
 # --------------------------------------------------------------------------- backward
-@saving("target", "weight", 1, 3)  # Functions.h (2.12.0, 2.14.0): not the logits
 def _cross_entropy_backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[str, Any]:
     """torch_npu's derivative (op-plugin derivatives.yaml, ``output_differentiability: [true,
     false, true, false]``): ``npu_cross_entropy_loss_backward(grads[0], result1, target,

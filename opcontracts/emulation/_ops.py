@@ -285,8 +285,9 @@ def register(release: str = DIGEST_RELEASE) -> Library:
             "emulation is loaded; opcontracts.emulation will not shadow it"
         )
     # no autograd kernel where torch_npu has no derivative (the fallback's behaviour, ``_opaque``)
+    by_release = moe_token_backwards(structure)  # the derivatives the release's structure decides
     backwards: dict[str, BackwardFn | None] = {
-        **dict.fromkeys(_release.NO_DERIVATIVE_OPS), **moe_token_backwards(structure)}
+        **dict.fromkeys(_release.NO_DERIVATIVE_OPS), **by_release}
     lib = Library(NAMESPACE, "FRAGMENT")
     try:
         for op in ops:
@@ -294,14 +295,31 @@ def register(release: str = DIGEST_RELEASE) -> Library:
         _captured.capture(NAMESPACE, tuple(op.name for op in ops))
         internal = {public: name for public, name in _release.INTERNAL_OF.items()
                     if name in structure.internal_ops}
+        nodes = _nodes_of(release)
         for op in ops:
             _register_op(lib, op, backwards.get(op.name, op.backward),
-                         internal=internal.get(op.name))
+                         internal=internal.get(op.name),
+                         saves=nodes(op.name, release if op.release_only or op.name in by_release
+                                     else DIGEST_RELEASE))
     except BaseException:
         _captured.clear()
         lib._destroy()
         raise
     return lib
+
+
+def _nodes_of(release: str) -> Callable[[str, str], tuple[str | int, ...] | None]:
+    """``(op, node release) ->`` what torch_npu's autograd node of ``op`` saves in that release,
+    from the wheel digest (the wheels' ``Functions.h``); None where it has no node for the op
+    (then everything is saved).  The node release is the installed one for the ops whose
+    derivative the release's structure decides (the MoE token family, the release-only ops),
+    ``DIGEST_RELEASE`` for the others, registered with its schemas and its derivatives (a node
+    of an older release would not keep an argument a 2.14.0 schema has: fusion attention's
+    ``sink``)."""
+    from ..wheel import digest
+
+    d = digest.load()
+    return lambda op, schema_release: d.release(schema_release).node_saves(op)
 
 
 def _release_schemas(release: str) -> dict[str, str]:
@@ -312,9 +330,10 @@ def _release_schemas(release: str) -> dict[str, str]:
     return {name: have[name][0].func for name in _RELEASE_OPS if name in have}
 
 
-def _register_op(lib: Library, op: OpDef, backward: BackwardFn | None, internal: str | None
-                 ) -> None:
-    """``internal``: the op the release's ``AutogradPrivateUse1``-only kernel of ``op`` calls."""
+def _register_op(lib: Library, op: OpDef, backward: BackwardFn | None, internal: str | None,
+                 saves: tuple[str | int, ...] | None = None) -> None:
+    """``internal``: the op the release's ``AutogradPrivateUse1``-only kernel of ``op`` calls;
+    ``saves``: what its autograd node keeps (``make_autograd_kernel``)."""
     view_name = op.name
     # the schema's name: ``op`` or ``op.overload`` for an op without a default overload
     entry_name = op.schema.split("(", 1)[0].strip()
@@ -334,7 +353,8 @@ def _register_op(lib: Library, op: OpDef, backward: BackwardFn | None, internal:
         lib=lib)
     if backward is not None and not public_only:
         overload = getattr(getattr(torch.ops, NAMESPACE), op.name).default
-        lib.impl(op.name, make_autograd_kernel(overload, backward), "Autograd", with_keyset=True)
+        lib.impl(op.name, make_autograd_kernel(overload, backward, saves), "Autograd",
+                 with_keyset=True)
     if op.name in EXTRA_OVERLOADS:
         _register_overload(lib, op, *EXTRA_OVERLOADS[op.name], backward=backward)
     if _out_schema(op.name) is not None:

@@ -26,9 +26,8 @@ Users add their own::
 (``_fam_attention.py``, ``_fam_norm_quant.py``, ``_fam_gemm_comm.py``, ``_fam_moe_serving.py``)
 write its forward, its example builder (the probe's and the compare test's starting point) and
 ONE ``Reference(...)`` entry in that module's ``REFERENCES`` (name, forward, example, source;
-``backward`` only for a composite formula, with ``saves``, what torch_npu's node for it keeps
-(its ``SavedVariable`` members in the wheels' ``Functions.h``), ``grad_of`` for a ``*_grad``
-op); ``_table.py``
+``backward`` only for a composite formula (what its node saves comes from the wheels'
+``Functions.h``, through the digest), ``grad_of`` for a ``*_grad`` op); ``_table.py``
 appends every family's entries.  The emulation's side is one ``EmulatedOp`` entry in the
 emulation's family module of the same name (``opcontracts/emulation/_family.py``).  The ops of
 the first packs keep their entries in ``_table.py``.  A shipped op with no reference is listed

@@ -29,6 +29,3 @@ class Reference:
     example: Callable[[Any], tuple[tuple[Any, ...], dict[str, Any]]] | None = None
     source: str = ""
     grad_of: str | None = None
-    # what torch_npu's backward node for the op keeps (the wheels' ``Functions.h``: argument
-    # names and output indices, its ``SavedVariable`` members); None: every tensor
-    saves: tuple[str | int, ...] | None = None

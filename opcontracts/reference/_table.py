@@ -54,8 +54,7 @@ SHIPPED: tuple[Reference, ...] = (
               _moe.npu_moe_token_permute_with_routing_map,
               backward=_grads.permute_with_routing_map_backward,
               example=_examples.permute_routing,
-              source=f"{_DOCS}; CANN aclnnMoeTokenPermuteWithRoutingMap",
-              saves=("routing_map", 2)),  # Functions.h 2.7.1 .. 2.14.0: routing_map_, result2_
+              source=f"{_DOCS}; CANN aclnnMoeTokenPermuteWithRoutingMap"),
     Reference("npu_moe_token_unpermute_with_routing_map",
               _moe.npu_moe_token_unpermute_with_routing_map,
               backward=_grads.unpermute_with_routing_map_backward,
@@ -66,9 +65,7 @@ SHIPPED: tuple[Reference, ...] = (
               backward=_grads.internal_unpermute_with_routing_map_backward,
               example=_examples.unpermute_routing,
               source=f"{_DOCS} (npu_moe_token_unpermute_with_routing_map's kernel; torch_npu "
-                     "2.13.0 npu_native_functions_by_codegen.yaml)",
-              # Functions.h 2.12.0 .. 2.14.0: the four inputs, result1_, result2_ (not result0)
-              saves=("permuted_tokens", "probs", "routing_map", "sorted_indices", 1, 2)),
+                     "2.13.0 npu_native_functions_by_codegen.yaml)"),
     # their backward kernels (derivatives.yaml; MindSpeed 2.2+'s te/pytorch/permutation.py)
     Reference("npu_moe_token_permute_with_routing_map_grad",
               _grads.npu_moe_token_permute_with_routing_map_grad,

@@ -25,6 +25,7 @@ PATHS: dict[str, str] = {
     "docs": "torch_npu/_op_plugin_docs.py",
     "meta": "torch_npu/op_plugin/meta/_meta_registrations.py",
     "bindings": "torch_npu/utils/custom_ops.py",
+    "autograd": "torch_npu/include/torch_npu/csrc/aten/Functions.h",
 }
 """The files read from each wheel, by role (the same paths in every release 2.5.1 .. 2.14.0)."""
 
@@ -40,7 +41,8 @@ class WheelFiles:
     version: str
     origin: str
     files: dict[str, bytes] = field(repr=False)
-    """role (``schema``, ``docs``, ``meta``, ``bindings``) -> contents; a missing file is absent"""
+    """role (``schema``, ``docs``, ``meta``, ``bindings``, ``autograd``) -> contents; a missing
+    file is absent"""
     torch: str | None = None
     """the torch release the wheel pins (``Requires-Dist: torch==2.14.0.*`` -> ``2.14.0``)"""
 

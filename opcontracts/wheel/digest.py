@@ -15,6 +15,7 @@ Library API (for other parts of opcontracts and for users)::
     r.docs["npu_rms_norm"].args["self"].dtypes   # ('float16', 'bfloat16', 'float32')
     r.meta["npu_moe_token_permute"].ranks        # {'tokens': (2,), 'indices': (1, 2)}
     r.bound("npu_swiglu")                  # torch_npu.npu_swiglu is bound to torch.ops.npu
+    r.node_saves("npu_rms_norm")           # ('gamma', 'self', 1): its autograd node's saved tensors
     digest.op_schemas("2.14.0")            # shortcut: op -> [OpSchema, ...] of one release
     d.groups("docs")                       # {file id: [versions shipping it byte-identical]}
 
@@ -25,10 +26,11 @@ A release may be named by its version or by a file id of ``groups()`` (then the 
 of that group).  Nothing here imports torch or torch_npu.
 
 Format (gzip'd JSON, keys sorted, gzip header without a time stamp, so the same wheels give the
-same bytes): ``versions`` maps each release to the content ids of its four files (and the torch
-it pins); ``schema``/``docs``/``meta``/``bindings`` map ids to the parsed content, by index into
-two pools (``funcs``: schema strings; ``entries``: parsed per-op records), so what several
-releases share is stored once.
+same bytes): ``versions`` maps each release to the content ids of its files (and the torch it
+pins); ``schema``/``docs``/``meta``/``bindings``/``autograd`` map ids to the parsed content
+(``autograd``: node -> saved names, from ``Functions.h``; absent in a digest made before it was
+read), schemas and per-op records by index into two pools (``funcs``: schema strings;
+``entries``: parsed per-op records), so what several releases share is stored once.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import gzip
 import hashlib
 import io
 import json
+import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
@@ -47,6 +50,7 @@ from .._jsonout import replace_bytes
 from ._bindings import parse_bindings
 from ._docs import OpDoc, parse_docs
 from ._meta import MetaKernel, parse_meta
+from ._nodes import node_name, parse_nodes
 from ._schema import OpSchema, by_op, custom_funcs, default_schemas
 from ._source import WheelFiles, file_id
 
@@ -111,6 +115,7 @@ def build(wheels: Iterable[WheelFiles]) -> dict[str, Any]:
     docs_g: dict[str, dict[str, int]] = {}
     meta_g: dict[str, dict[str, int]] = {}
     bind_g: dict[str, list[str]] = {}
+    nodes_g: dict[str, dict[str, list[str]]] = {}
     parsed_schemas: dict[str, dict[str, OpSchema]] = {}
     for w in wheels:
         rec: dict[str, Any] = {"torch": w.torch, "files": {}}
@@ -144,6 +149,11 @@ def build(wheels: Iterable[WheelFiles]) -> dict[str, Any]:
             bid = _json_id(names)
             rec["bindings"] = bid
             bind_g.setdefault(bid, names)
+        if "autograd" in w.files:  # optional: a tree without the headers has no nodes
+            nodes = _parsed(w, "autograd", parse_nodes)
+            aid = _json_id(nodes)
+            rec["autograd"] = aid
+            nodes_g.setdefault(aid, nodes)
         if "schema" in rec:
             rec["files"]["schema"] = rec["schema"]
         if "meta" in rec:
@@ -151,7 +161,7 @@ def build(wheels: Iterable[WheelFiles]) -> dict[str, Any]:
         versions[w.version] = rec
     return {"format": FORMAT, "tool": "opcontracts wheel digest", "versions": versions,
             "schema": schema_g, "docs": docs_g, "meta": meta_g, "bindings": bind_g,
-            "funcs": funcs, "entries": entries}
+            "autograd": nodes_g, "funcs": funcs, "entries": entries}
 
 
 def dumps(data: dict[str, Any]) -> bytes:
@@ -182,6 +192,7 @@ def loads(blob: bytes, origin: str = "<bytes>") -> dict[str, Any]:
     for key in ("versions", "schema", "docs", "meta", "bindings", "funcs", "entries"):
         if key not in data:
             raise DigestError(f"{origin}: field {key!r} missing")
+    data.setdefault("autograd", {})  # a digest made before the nodes were read: none known
     _check_versions(data["versions"], origin)
     return data
 
@@ -293,6 +304,37 @@ class Release:
         bid = self.rec.get("bindings")
         return frozenset(self.data["bindings"].get(bid, ())) if bid else frozenset()
 
+    @cached_property
+    def nodes(self) -> Mapping[str, list[str]]:
+        """autograd node (``NpuRmsNormBackward0``) -> the names it saves (``Functions.h``);
+        empty where the digest has no nodes for the release."""
+        aid = self.rec.get("autograd")
+        return dict(self.data["autograd"].get(aid, {})) if aid else {}
+
+    def node_saves(self, op: str) -> tuple[str | int, ...] | None:
+        """What the autograd node of ``op``'s derivative saves, by ``op``'s schema: argument
+        names, and output indices for the outputs (``result1`` -> 1, or a named return).  None
+        where the release has no node for it, or its names do not fit ``op``'s schema (the
+        node is another op's: ``_x`` and ``x`` share a node name)."""
+        saved = self.nodes.get(node_name(op))
+        schema = self.schema(op)
+        if saved is None or schema is None:
+            return None
+        returns = [r.strip().rsplit(" ", 1) for r in _returns(schema.returns)]
+        named = {parts[1]: i for i, parts in enumerate(returns) if len(parts) == 2}
+        out: list[str | int] = []
+        for name in saved:
+            m = re.fullmatch(r"result(\d*)", name)
+            if name in schema.names:
+                out.append(name)
+            elif name in named:
+                out.append(named[name])
+            elif m is not None and (int(m.group(1) or 0)) < max(1, len(returns)):
+                out.append(int(m.group(1) or 0))
+            else:
+                return None
+        return tuple(out)
+
     def bound(self, name: str) -> bool:
         """Whether ``torch_npu.<name>`` is bound to ``torch.ops.npu.<name>`` in this release."""
         return name in self.bindings
@@ -328,6 +370,27 @@ class Release:
             else:
                 out.append(o)
         return out
+
+
+def _returns(text: str) -> list[str]:
+    """A schema's returns one by one: ``(Tensor, Tensor out)`` -> ``['Tensor', 'Tensor out']``
+    (commas inside ``Tensor(a!)`` annotations are not separators)."""
+    t = text.strip()
+    if t.startswith("(") and t.endswith(")"):
+        t = t[1:-1]
+    parts: list[str] = []
+    cur: list[str] = []
+    depth = 0
+    for ch in t:
+        depth += ch == "("
+        depth -= ch == ")"
+        if ch == "," and depth == 0:
+            parts.append("".join(cur).strip())
+            cur = []
+        else:
+            cur.append(ch)
+    tail = "".join(cur).strip()
+    return [*parts, tail] if tail else parts
 
 
 class Digest:
@@ -373,7 +436,7 @@ class Digest:
         full = Digest(self.data, self.origin)
         rebuilt: dict[str, Any] = {"format": FORMAT, "tool": self.data.get("tool"),
                                    "versions": {}, "schema": {}, "docs": {}, "meta": {},
-                                   "bindings": {}, "funcs": [], "entries": []}
+                                   "bindings": {}, "autograd": {}, "funcs": [], "entries": []}
         funcs: dict[str, int] = {}
         entries: dict[str, int] = {}
 
@@ -406,6 +469,9 @@ class Digest:
             if "bindings" in rec:
                 rebuilt["bindings"].setdefault(rec["bindings"],
                                                self.data["bindings"][rec["bindings"]])
+            if "autograd" in rec:
+                rebuilt["autograd"].setdefault(rec["autograd"],
+                                               self.data["autograd"][rec["autograd"]])
         return rebuilt
 
 
@@ -467,6 +533,7 @@ def _semantic(data: dict[str, Any]) -> dict[str, Any]:
         "docs": {k: {op: e[i] for op, i in v.items()} for k, v in data["docs"].items()},
         "meta": {k: {op: e[i] for op, i in v.items()} for k, v in data["meta"].items()},
         "bindings": data["bindings"],
+        "autograd": data.get("autograd", {}),
     }
 
 
@@ -483,7 +550,7 @@ def compare(a: dict[str, Any], b: dict[str, Any], limit: int = 20) -> list[str]:
     for v in sorted(va & vb):
         if sa["versions"][v] != sb["versions"][v]:
             out.append(f"version {v}: files differ ({sa['versions'][v]} vs {sb['versions'][v]})")
-    for part in ("schema", "docs", "meta", "bindings"):
+    for part in ("schema", "docs", "meta", "bindings", "autograd"):
         ga, gb = sa[part], sb[part]
         for k in sorted(set(ga) & set(gb)):
             if ga[k] == gb[k]:
