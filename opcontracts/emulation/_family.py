@@ -122,6 +122,9 @@ def _through_reference(name: str) -> BackwardFn:
                                   [g.to(o.dtype) for o, g in pairs], allow_unused=True)
         return {k: g for k, g in zip(leaves, got) if g is not None}
 
+    # it runs the forward again, so its node keeps every input, whatever torch_npu's node (whose
+    # formula needs less: format cast's keeps nothing) keeps: more memory than on the NPU
+    backward.recomputes = True  # type: ignore[attr-defined]
     return backward
 
 

@@ -297,10 +297,12 @@ def register(release: str = DIGEST_RELEASE) -> Library:
                     if name in structure.internal_ops}
         nodes = _nodes_of(release)
         for op in ops:
-            _register_op(lib, op, backwards.get(op.name, op.backward),
-                         internal=internal.get(op.name),
-                         saves=nodes(op.name, release if op.release_only or op.name in by_release
-                                     else DIGEST_RELEASE))
+            backward = backwards.get(op.name, op.backward)
+            recomputes = getattr(backward, "recomputes", False)  # needs every input (``_family``)
+            _register_op(lib, op, backward, internal=internal.get(op.name),
+                         saves=None if recomputes else nodes(
+                             op.name, release if op.release_only or op.name in by_release
+                             else DIGEST_RELEASE))
     except BaseException:
         _captured.clear()
         lib._destroy()
@@ -319,7 +321,7 @@ def _nodes_of(release: str) -> Callable[[str, str], tuple[str | int, ...] | None
     from ..wheel import digest
 
     d = digest.load()
-    return lambda op, schema_release: d.release(schema_release).node_saves(op)
+    return lambda op, node_release: d.release(node_release).node_saves(op)
 
 
 def _release_schemas(release: str) -> dict[str, str]:

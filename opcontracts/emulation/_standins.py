@@ -125,32 +125,24 @@ def _gmm_meta(original_weight, x, weight, *, bias=None, group_list=None, group_t
 def _op_builders() -> list[Any]:
     from mindspeed.op_builder.builder import AS_LIBRARY, MindSpeedOpBuilder  # type: ignore[import-not-found]
 
-    class MoeTokenUnpermuteOpBuilder(MindSpeedOpBuilder):  # type: ignore[misc]
-        OP_NAME = "npu_moe_token_unpermute"
+    def one_source(class_name: str, op: str) -> type:
+        """A builder of one CANN source file, ``ops/csrc/cann/<op>.cpp`` (MindSpeed writes each
+        out as a class of its own: ``OP_NAME``, ``__init__``, ``sources``)."""
 
         def __init__(self):  # type: ignore[no-untyped-def]
-            super().__init__(self.OP_NAME)
+            MindSpeedOpBuilder.__init__(self, self.OP_NAME)
 
         def sources(self):  # type: ignore[no-untyped-def]
-            return ["ops/csrc/cann/npu_moe_token_unpermute.cpp"]
+            return [f"ops/csrc/cann/{self.OP_NAME}.cpp"]
 
-    class MoeTokenPermuteOpBuilder(MindSpeedOpBuilder):  # type: ignore[misc]
-        OP_NAME = "npu_moe_token_permute"
+        return type(class_name, (MindSpeedOpBuilder,),
+                    {"OP_NAME": op, "__init__": __init__, "sources": sources,
+                     "__module__": __name__, "__qualname__": class_name})
 
-        def __init__(self):  # type: ignore[no-untyped-def]
-            super().__init__(self.OP_NAME)
-
-        def sources(self):  # type: ignore[no-untyped-def]
-            return ["ops/csrc/cann/npu_moe_token_permute.cpp"]
-
-    class RotaryPositionEmbeddingOpBuilder(MindSpeedOpBuilder):  # type: ignore[misc]
-        OP_NAME = "npu_rotary_position_embedding"
-
-        def __init__(self):  # type: ignore[no-untyped-def]
-            super().__init__(self.OP_NAME)
-
-        def sources(self):  # type: ignore[no-untyped-def]
-            return ["ops/csrc/cann/npu_rotary_position_embedding.cpp"]
+    MoeTokenUnpermuteOpBuilder = one_source("MoeTokenUnpermuteOpBuilder", "npu_moe_token_unpermute")
+    MoeTokenPermuteOpBuilder = one_source("MoeTokenPermuteOpBuilder", "npu_moe_token_permute")
+    RotaryPositionEmbeddingOpBuilder = one_source("RotaryPositionEmbeddingOpBuilder",
+                                                  "npu_rotary_position_embedding")
 
     class GMMOpBuilder(MindSpeedOpBuilder):  # type: ignore[misc]
         OP_NAME = "grouped_matmul"
