@@ -643,6 +643,35 @@ def test_scaled_masked_softmax_masks_where_the_mask_is_true(emu: types.ModuleTyp
     close(npu.npu_scaled_masked_softmax(x, torch.zeros_like(mask), 0.5, True), y, 1e-6)
 
 
+def test_gelu_trains_through_its_backward_kernel_and_keeps_only_its_input(
+        emu: types.ModuleType) -> None:
+    """op-plugin's derivatives.yaml: npu_gelu's node calls npu_gelu_backward(grad, self,
+    approximate), at the dispatcher (a dispatch mode sees it), and keeps ``self`` only (the
+    2.14.0 wheel's Functions.h: NpuGeluBackward0 saves self_), not the output."""
+    x = (torch.randint(-16, 17, (4, 8)) / 8).half().requires_grad_()
+    seen: list[str] = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                               ) -> Any:
+            seen.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    kept: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        y = npu.npu_gelu(x, approximate="tanh")
+    assert [t.untyped_storage().data_ptr() for t in kept] == [x.untyped_storage().data_ptr()]
+    upstream = (torch.randint(-8, 9, (4, 8)) / 8).half()
+    with Ops():
+        y.backward(upstream)
+    assert "npu_gelu_backward.default" in seen
+    want = torch.ops.aten.gelu_backward(upstream.float(), x.detach().float(), approximate="tanh")
+    assert x.grad is not None and torch.equal(x.grad, want.half())
+    # the kernel on its own: broadcast, in the inputs' result type (op-plugin's glue)
+    g = check_fake(npu.npu_gelu_backward, torch.ones(1, 8, dtype=torch.float32), x.detach())
+    assert g.shape == (4, 8) and g.dtype == torch.float32
+
+
 def test_dynamic_block_quant_scales_per_block(emu: types.ModuleType) -> None:
     x = torch.cat([torch.full((2, 128), 0.5), torch.full((2, 72), -2.0)], 1).bfloat16()
     y, scale = check_fake(npu.npu_dynamic_block_quant, x)

@@ -17,8 +17,10 @@ the emulation's bits (``opcontracts.reference._dropout``).
 (``Tensor(a!) self -> Tensor(a!)``): ``writes="self"``.
 
 Backward: op-plugin's ``derivatives.yaml`` gives ``npu_gelu``, ``npu_silu``,
-``npu_confusion_transpose`` and ``npu_scaled_masked_softmax`` backward kernels (``*_backward``);
-the emulation trains through autograd of the reference (``AUTOGRAD``), the same gradient.  The
+``npu_confusion_transpose`` and ``npu_scaled_masked_softmax`` backward kernels (``*_backward``).
+``npu_gelu``'s node calls ``npu_gelu_backward`` as the C++ node does (through the overload
+captured at install: ``_captured``), an emulated op with its own dtype profile and contract;
+the other three train through autograd of the reference (``AUTOGRAD``), the same gradient.  The
 other ops have no derivative entry; they get no autograd kernel (torch's fallback warns).
 """
 
@@ -26,9 +28,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
+from ._captured import call
 from ._family import AUTOGRAD, NO_DERIVATIVE, EmulatedOp
 
 __all__ = ["OPS"]
@@ -43,6 +47,20 @@ _TORCH_FP8 = {23: torch.float8_e5m2, 24: torch.float8_e4m3fn, 291: torch.float8_
 # --------------------------------------------------------------------------- fakes
 def _gelu_fake(self: torch.Tensor, *, approximate: str = "none") -> torch.Tensor:
     return self.new_empty(self.shape)
+
+
+def _gelu_backward_fake(grad_output: torch.Tensor, self: torch.Tensor, *,
+                        approximate: str = "none") -> torch.Tensor:
+    """The glue's output: the broadcast shape, the result type (op_plugin_functions.yaml)."""
+    shape = torch.broadcast_shapes(grad_output.shape, self.shape)
+    return self.new_empty(shape, dtype=torch.result_type(grad_output, self))
+
+
+def _gelu_backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[str, Any]:
+    """``NpuGeluBackward0`` (saves ``self``): ``npu_gelu_backward(grad, self, approximate)``
+    (op-plugin ``derivatives.yaml``), the backward kernel with its own dtype profile."""
+    return {"self": call("npu_gelu_backward", grads, inputs["self"],
+                         approximate=inputs["approximate"])}
 
 
 def _silu_fake(self: torch.Tensor) -> torch.Tensor:
@@ -126,8 +144,12 @@ def _gen_mask_fake(self: torch.Tensor, size: Sequence[int], p: float, seed: int,
 
 # --------------------------------------------------------------------------- the entries
 OPS: tuple[EmulatedOp, ...] = (
-    EmulatedOp("npu_gelu", fake=_gelu_fake, dtypes={"self": FLOATS}, backward=AUTOGRAD,
+    EmulatedOp("npu_gelu", fake=_gelu_fake, dtypes={"self": FLOATS}, backward=_gelu_backward,
                source=f"op-plugin torch_npu-npu_gelu.md (Atlas A2); {_DERIV}"),
+    EmulatedOp("npu_gelu_backward", fake=_gelu_backward_fake,
+               dtypes={"grad_output": FLOATS, "self": FLOATS},
+               source=f"{_DERIV} (npu_gelu); op-plugin torch_npu-npu_gelu.md (Atlas A2: the "
+                      "forward's dtypes)"),
     EmulatedOp("npu_silu", fake=_silu_fake, dtypes={"self": ("fp16", "fp32")},
                backward=AUTOGRAD, source=f"{_DOCS}; {_DERIV}"),
     EmulatedOp("npu_confusion_transpose", fake=_confusion_transpose_fake, backward=AUTOGRAD,

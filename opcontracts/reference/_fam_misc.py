@@ -7,6 +7,9 @@ and ``quant_mx.toml`` cite the same sources.
 Sources, per op (torch_npu 2.14.0 ``_op_plugin_docs.py`` unless named):
 
 * ``npu_gelu``: GELU, erf or ``approximate='tanh'`` (op-plugin's torch_npu-npu_gelu.md);
+  ``npu_gelu_backward``, what its autograd node calls (op-plugin ``derivatives.yaml``): the
+  derivative at ``self`` times ``grad_output``, the two broadcast together, in their result
+  type (``op_plugin_functions.yaml``: ``broadcast_ops_npu_output_size``, ``result_type``);
 * ``npu_silu``: ``x * sigmoid(x)``;
 * ``npu_confusion_transpose``: ``transpose_first``: permute by ``perm`` then reshape to
   ``shape``; else reshape then permute (the doc's two examples);
@@ -75,6 +78,21 @@ def npu_gelu(self: torch.Tensor, *, approximate: str = "none") -> torch.Tensor:
 
 def _gelu_example(gen: torch.Generator) -> Example:
     return (_floats(gen, 4, 8, dtype=torch.float16),), {"approximate": "tanh"}
+
+
+def npu_gelu_backward(grad_output: torch.Tensor, self: torch.Tensor, *,
+                      approximate: str = "none") -> torch.Tensor:
+    """``grad_output * gelu'(self)`` (erf, or the tanh approximation), broadcast, computed in
+    fp32 and returned in the inputs' result type."""
+    acc = acc_dtype(self)
+    g, x = torch.broadcast_tensors(grad_output.to(acc), self.to(acc))
+    out = torch.ops.aten.gelu_backward(g.contiguous(), x.contiguous(), approximate=approximate)
+    return out.to(torch.result_type(grad_output, self))
+
+
+def _gelu_backward_example(gen: torch.Generator) -> Example:
+    return (_floats(gen, 4, 8, dtype=torch.float16), _floats(gen, 4, 8, dtype=torch.float16)), {
+        "approximate": "tanh"}
 
 
 def npu_silu(self: torch.Tensor) -> torch.Tensor:
@@ -309,6 +327,11 @@ def _gen_mask_example(gen: torch.Generator) -> Example:
 REFERENCES: tuple[Reference, ...] = (
     Reference("npu_gelu", npu_gelu, example=_gelu_example,
               source="Ascend/op-plugin docs/zh/custom_APIs/torch_npu/torch_npu-npu_gelu.md"),
+    Reference("npu_gelu_backward", npu_gelu_backward, example=_gelu_backward_example,
+              grad_of="npu_gelu",
+              source="op-plugin op_plugin/config/derivatives.yaml (npu_gelu: self: "
+                     "npu_gelu_backward(grad, self, approximate)) and op_plugin_functions.yaml "
+                     "(aclnnGeluBackwardV2; the output's size and dtype)"),
     Reference("npu_silu", npu_silu, example=_silu_example, source=_DOCS),
     Reference("npu_confusion_transpose", npu_confusion_transpose,
               example=_confusion_transpose_example, source=_DOCS),
