@@ -514,11 +514,45 @@ def test_dynamic_quant_moe_smooth_scales(npu: Any) -> None:
     ({"group_index": torch.tensor([1, 3, 6])}, "group_index", "dtype"),
     ({"group_index": torch.tensor([1, 6], dtype=I32)}, "group_index", "shape"),  # one per row
 ], ids=["input-dtype", "input-rank", "smooth-dtype", "smooth-shape", "gi-dtype", "gi-len"])
-def test_dynamic_quant_rules(npu: Any, change: dict[str, Any], arg: str, rule: str) -> None:
+@pytest.mark.parametrize("op", ["npu_dynamic_quant", "npu_dynamic_quant_asymmetric"])
+def test_dynamic_quant_rules(npu: Any, op: str, change: dict[str, Any], arg: str, rule: str
+                             ) -> None:
+    """The symmetric and the asymmetric quantisation take the same inputs (their docs)."""
     kw: dict[str, Any] = {"input": _vals(6, 16), "smooth_scales": _pos(3, 16, dtype=BF16),
                           "group_index": torch.tensor([1, 3, 6], dtype=I32), **change}
-    exc = _violation(npu.npu_dynamic_quant, kw.pop("input"), **kw)
+    exc = _violation(getattr(npu, op), kw.pop("input"), **kw)
     assert _rule(exc) == (arg, rule), str(exc)
+
+
+def _unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Eight signed int4 per int32, the first in the lowest four bits (op-plugin's test reads
+    the bytes low nibble first)."""
+    nibbles = (packed.to(torch.int64).unsqueeze(-1) >> (4 * torch.arange(8))) & 0xF
+    return torch.where(nibbles >= 8, nibbles - 16, nibbles).flatten(-2)
+
+
+@pytest.mark.parametrize(("dst_type", "hi", "lo"), [(None, 127, -128), (torch.quint4x2, 7, -8)])
+def test_dynamic_quant_asymmetric_maps_each_row_onto_the_full_range(
+        npu: Any, dst_type: torch.dtype | None, hi: int, lo: int) -> None:
+    """The doc's formula: scale = (max - min) / (DST_MAX - DST_MIN), offset = DST_MAX - max /
+    scale, y = round(x / scale + offset): each row's max lands on DST_MAX and its min on DST_MIN
+    (sglang's NPU KV-cache compression calls it per page, int8 and int4)."""
+    x, smooth = _vals(6, 16, dtype=FP16), _pos(3, 16, dtype=FP16)
+    gi = torch.tensor([1, 3, 6], dtype=I32)
+    with opcontracts.mode("strict"):
+        y, scale, offset = npu.npu_dynamic_quant_asymmetric(
+            x, smooth_scales=smooth, group_index=gi, dst_type=dst_type)
+    rows = x.float() * smooth.float().repeat_interleave(torch.tensor([1, 2, 3]), 0)
+    mx, mn = rows.amax(-1), rows.amin(-1)
+    want_scale = (mx - mn) / (hi - lo)
+    torch.testing.assert_close(scale, want_scale)
+    torch.testing.assert_close(offset, hi - mx / want_scale)
+    q = _unpack_int4(y) if dst_type is not None else y.long()
+    assert y.dtype == (I32 if dst_type is not None else I8) and q.shape == (6, 16)
+    assert (q.amax(-1) == hi).all() and (q.amin(-1) == lo).all()
+    # dequantised, every value within half a step of the input
+    back = (q.float() - offset.unsqueeze(-1)) * want_scale.unsqueeze(-1)
+    assert ((back - rows).abs() <= want_scale.unsqueeze(-1) / 2 + 1e-6).all()
 
 
 def test_dynamic_quant_group_index_order_is_a_value_check(npu: Any) -> None:

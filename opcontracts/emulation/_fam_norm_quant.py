@@ -130,6 +130,28 @@ def _dynamic_quant_fake(input: torch.Tensor, *, smooth_scales: torch.Tensor | No
     return input.new_empty(shape, dtype=_ST_FP8.get(dst, torch.int8)), scale
 
 
+def _dynamic_quant_asymmetric_fake(
+        input: torch.Tensor, *, smooth_scales: torch.Tensor | None = None,
+        group_index: torch.Tensor | None = None, dst_type: int | None = None,
+        quant_mode: str = "pertoken", dst_type_max: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The meta kernel's shapes (torch_npu 2.14.0 ``_meta_registrations.py``): scale and offset
+    ``x.shape[:-1]`` per token, ``x.shape[:-2] + [H]`` per channel, ``[1]`` per tensor; int4
+    eight to an int32 along the last axis."""
+    shape = list(input.shape)
+    if quant_mode == "pertensor":
+        stat = [1]
+    elif quant_mode == "perchannel":
+        stat = [*shape[:-2], shape[-1]]
+    else:
+        stat = shape[:-1]
+    scale = input.new_empty(stat, dtype=torch.float32)
+    offset = input.new_empty(stat, dtype=torch.float32)
+    if dst_type == _ST_QUINT4X2:
+        return input.new_empty((*shape[:-1], shape[-1] // 8), dtype=torch.int32), scale, offset
+    return input.new_empty(shape, dtype=torch.int8), scale, offset
+
+
 def _quant_matmul_fake(x1: torch.Tensor, x2: torch.Tensor, scale: torch.Tensor, *,
                        offset: torch.Tensor | None = None,
                        pertoken_scale: torch.Tensor | None = None,
@@ -224,6 +246,9 @@ OPS: tuple[EmulatedOp, ...] = (
                        "weight": ("fp32",)},
                source=f"{_DOCS} (npu_cross_entropy_loss: input, target, weight)"),
     EmulatedOp("npu_dynamic_quant", fake=_dynamic_quant_fake,
+               dtypes={"input": ("bf16", "fp16"), "smooth_scales": ("bf16", "fp16"),
+                       "group_index": ("int32",)}, source=_DOCS),
+    EmulatedOp("npu_dynamic_quant_asymmetric", fake=_dynamic_quant_asymmetric_fake,
                dtypes={"input": ("bf16", "fp16"), "smooth_scales": ("bf16", "fp16"),
                        "group_index": ("int32",)}, source=_DOCS),
     EmulatedOp("npu_quant_matmul", fake=_quant_matmul_fake,

@@ -10,7 +10,8 @@ Sources, per op (the contracts in ``contracts/torch_npu/norm_rotary.toml``, ``lo
 * ``npu_swiglu_backward``: the gradient of ``npu_swiglu`` (op-plugin ``derivatives.yaml``:
   ``npu_swiglu``'s backward is ``npu_swiglu_backward(grad, self, dim)``);
 * ``npu_clipped_swiglu``, ``npu_apply_rotary_pos_emb``, ``npu_mrope``, ``npu_cross_entropy_loss``,
-  ``npu_dynamic_quant``, ``npu_quant_matmul``, ``npu_dynamic_mx_quant``,
+  ``npu_dynamic_quant``, ``npu_dynamic_quant_asymmetric``, ``npu_quant_matmul``,
+  ``npu_dynamic_mx_quant``,
   ``npu_dequant_swiglu_quant``: torch_npu 2.14.0 ``_op_plugin_docs.py`` (formulas) and
   ``_meta_registrations.py`` (output shapes and dtypes);
 * ``npu_cross_entropy_loss_backward``: op-plugin ``derivatives.yaml`` (``input:
@@ -363,14 +364,7 @@ def npu_dynamic_quant(input: torch.Tensor, *,
     quint4x2 (eight int4 per int32, last axis / 8); fp8 E4M3 / E5M2 (cast, saturated);
     ``quant_mode`` 'pertoken' (scale x.shape[:-1]), 'pertensor' ([1]), 'perchannel' (the meta
     kernel's x.shape[:-2] + [H])."""
-    x = input.to(_F32)
-    h = x.size(-1)
-    if smooth_scales is not None:
-        rows = x.reshape(-1, h)
-        group = None
-        if group_index is not None and smooth_scales.dim() == 2:
-            group = _group_of_rows(rows.size(0), group_index)
-        x = (rows * _rows_of(smooth_scales, group, rows.size(0))).reshape(x.shape)
+    x = _smoothed(input, smooth_scales, group_index)
     dst = _ST_INT8 if dst_type is None else dst_type
     limits = {_ST_INT8: 127.0, _ST_QUINT4X2: 7.0, _ST_FP8_E4M3: 448.0, _ST_FP8_E5M2: 57344.0}
     if dst not in limits:
@@ -399,6 +393,76 @@ def npu_dynamic_quant(input: torch.Tensor, *,
     if dst == _ST_QUINT4X2:
         return _pack_int4(q), scale
     return q.to(torch.int8), scale
+
+
+def _smoothed(input: torch.Tensor, smooth_scales: torch.Tensor | None,
+              group_index: torch.Tensor | None) -> torch.Tensor:
+    """``input`` in fp32 times its smooth scales (the dynamic quantisations' ``smooth quant``):
+    one (H,) row for every token, or with ``group_index`` (cumulative row ends, MoE) the row of
+    each token's group."""
+    x = input.to(_F32)
+    if smooth_scales is None:
+        return x
+    rows = x.reshape(-1, x.size(-1))
+    group = None
+    if group_index is not None and smooth_scales.dim() == 2:
+        group = _group_of_rows(rows.size(0), group_index)
+    return (rows * _rows_of(smooth_scales, group, rows.size(0))).reshape(x.shape)
+
+
+def npu_dynamic_quant_asymmetric(input: torch.Tensor, *,
+                                 smooth_scales: torch.Tensor | None = None,
+                                 group_index: torch.Tensor | None = None,
+                                 dst_type: int | None = None, quant_mode: str = "pertoken",
+                                 dst_type_max: float = 0.0
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """torch_npu 2.14.0 doc: asymmetric dynamic quantisation per token (row), after the smooth
+    scales as ``npu_dynamic_quant``: ``scale = (rowMax - rowMin) / (DST_MAX - DST_MIN)``,
+    ``offset = DST_MAX - rowMax / scale``, ``y = round(x / scale + offset)``; int8 (127 / -128,
+    the default) or quint4x2 (7 / -8, eight int4 per int32, the first in the lowest bits).
+    ``quant_mode='perchannel'`` (the schema's and the meta kernel's, not the doc's; op-plugin's
+    test, an Ascend 950 case): per column, over axis -2, the smooth scales one per row of axis
+    -2; 'pertensor' over everything.  A row whose max equals its min (scale 0) quantises to 0,
+    its offset as the formula gives (no doc says)."""
+    dst = _ST_INT8 if dst_type is None else dst_type
+    limits = {_ST_INT8: (127.0, -128.0), _ST_QUINT4X2: (7.0, -8.0)}
+    if dst not in limits:
+        raise NotImplementedError(f"npu_dynamic_quant_asymmetric: dst_type {dst} (an fp8 or "
+                                  "hifloat8 output, Ascend 950) is not emulated")
+    hi, lo = limits[dst]
+    if quant_mode == "perchannel":
+        x = input.to(_F32)
+        if smooth_scales is not None:
+            x = x * smooth_scales.to(_F32).reshape(-1, 1)
+        mx, mn = x.amax(dim=-2), x.amin(dim=-2)
+        axis: int | None = -2
+    elif quant_mode in ("pertoken", "pertensor"):
+        x = _smoothed(input, smooth_scales, group_index)
+        if quant_mode == "pertensor":
+            mx, mn, axis = x.amax().reshape(1), x.amin().reshape(1), None
+        else:
+            mx, mn, axis = x.amax(dim=-1), x.amin(dim=-1), -1
+    else:
+        raise ValueError(f"npu_dynamic_quant_asymmetric: unknown quant_mode {quant_mode!r}")
+    scale = (mx - mn) / (hi - lo)
+    offset = hi - mx / scale
+
+    def spread(t: torch.Tensor) -> torch.Tensor:  # back over the axis reduced
+        return t.reshape([1] * x.dim()) if axis is None else t.unsqueeze(axis)
+
+    s = spread(scale)
+    safe = torch.where(s == 0, torch.ones_like(s), s)
+    q = (torch.round(x / safe + spread(offset)) * (s != 0).to(_F32)).clamp(lo, hi)
+    if dst == _ST_QUINT4X2:
+        return _pack_int4(q), scale, offset
+    return q.to(torch.int8), scale, offset
+
+
+def _dynamic_quant_asymmetric_example(gen: torch.Generator) -> Example:
+    n, h = 6, 16
+    return (_example_floats(gen, n, h),), {
+        "smooth_scales": _example_scales(gen, 3, h, dtype=torch.bfloat16),
+        "group_index": torch.tensor([1, 3, 6], dtype=torch.int32)}
 
 
 def _dynamic_quant_example(gen: torch.Generator) -> Example:
@@ -654,6 +718,8 @@ REFERENCES: tuple[Reference, ...] = (
               source=f"{_DERIV} (npu_cross_entropy_loss)"),
     Reference("npu_dynamic_quant", npu_dynamic_quant, example=_dynamic_quant_example,
               source=_DOCS),
+    Reference("npu_dynamic_quant_asymmetric", npu_dynamic_quant_asymmetric,
+              example=_dynamic_quant_asymmetric_example, source=_DOCS),
     Reference("npu_quant_matmul", npu_quant_matmul, example=_quant_matmul_example,
               source=f"{_DOCS} (int8 modes)"),
     Reference("npu_dynamic_mx_quant", npu_dynamic_mx_quant, example=_dynamic_mx_quant_example,
