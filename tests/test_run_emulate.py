@@ -65,3 +65,52 @@ def test_an_unknown_profile_is_a_usage_error(capsys: pytest.CaptureFixture[str])
     assert _run.main(["--emulate=narow", "s.py"]) == 2
     err = capsys.readouterr().err
     assert "--emulate: unknown profile 'narow'; expected one of narrow, incident, wide" in err
+
+
+CHIP_SCRIPT = """\
+import subprocess, sys
+import torch
+import torch_npu
+import opcontracts
+from opcontracts._lang import versions
+print("parent", torch.npu.get_device_name(), versions.current().soc)
+child = "import torch, torch_npu; print('child', torch.npu.get_device_name())"
+print(subprocess.run([sys.executable, "-c", child], capture_output=True, text=True).stdout.strip())
+"""
+
+
+def test_soc_names_the_chip_the_emulated_device_and_its_children_report(tmp_path: Path) -> None:
+    """``--soc Ascend950PR``: torch_npu.npu.get_device_name(), the detected SoC the contracts
+    are chosen by, and a Python process the script starts all say Ascend950PR."""
+    script = tmp_path / "chip.py"
+    script.write_text(CHIP_SCRIPT, encoding="utf-8")
+    p = _run_cli("-q", "--emulate=wide", "--soc", "Ascend950PR", str(script))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines() == ["parent Ascend950PR Ascend950PR", "child Ascend950PR"]
+    default = _run_cli("-q", "--emulate", str(script))
+    assert default.stdout.splitlines()[0] == "parent Ascend910B3 Ascend910B3"
+
+
+def test_a_bad_soc_is_a_usage_error_and_soc_needs_emulate(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    script = tmp_path / "s.py"
+    script.write_text("", encoding="utf-8")
+    assert _run.parse(["--emulate", "--soc=Ascend910_9392", "s.py"]).soc == "Ascend910_9392"
+    assert _run.main(["--emulate", "--soc", "910B", str(script)]) == 2
+    assert "--soc: soc='910B': expected the name of the Ascend chip" in capsys.readouterr().err
+    assert _run.main(["--soc", "Ascend950PR", str(script)]) == 2
+    assert "--soc needs --emulate" in capsys.readouterr().err
+
+
+def test_the_soc_variable_is_checked_where_the_device_is_installed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from opcontracts.emulation import _device
+    from opcontracts.errors import SettingError
+
+    monkeypatch.setenv(_device.SOC_ENV, "Ascend950PR")
+    assert _device.soc_setting() == "Ascend950PR"
+    monkeypatch.setenv(_device.SOC_ENV, "a5")
+    with pytest.raises(SettingError, match="OPCONTRACTS_EMULATE_SOC='a5'"):
+        _device.soc_setting()
+    monkeypatch.delenv(_device.SOC_ENV)
+    assert _device.soc_setting() == _device.DEFAULT_SOC

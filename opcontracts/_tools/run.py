@@ -2,7 +2,7 @@
 
     opcontracts run [--mode MODE] [--nan-check] [--compare [RATE]] [--record FILE
                     [--record-target mod.fn ...]] [--report FILE] [--quiet]
-                    [--emulate[=PROFILE] [--devices N]] script.py [args ...]
+                    [--emulate[=PROFILE] [--devices N] [--soc NAME]] script.py [args ...]
     opcontracts run [options] -m module [args ...]
 
 Why: guarding a job should not need an edit of the job.  The script runs as ``python`` would
@@ -51,7 +51,7 @@ __all__ = ["RunOptions", "UsageError", "main", "parse", "run"]
 
 USAGE = ("usage: opcontracts run [-h] [--mode MODE] [--contracts PATH] [--nan-check] "
          "[--compare [RATE]] [--record FILE [--record-target mod.fn] [--record-violations]] "
-         "[--report FILE] [--json [FILE]] [-q] [--emulate[=PROFILE] [--devices N]] "
+         "[--report FILE] [--json [FILE]] [-q] [--emulate[=PROFILE] [--devices N] [--soc NAME]] "
          "(script.py | -m module) [args ...]")
 HELP = f"""{USAGE}
 
@@ -97,6 +97,9 @@ options:
                    wide), so an unmodified torch_npu script runs on a machine without an NPU
   --devices N      with --emulate: emulate N npu devices (npu:0 ... npu:N-1; default 1, or
                    OPCONTRACTS_EMULATE_DEVICES, which the processes the script starts inherit)
+  --soc NAME       with --emulate: the chip the emulated device reports (default Ascend910B3, or
+                   OPCONTRACTS_EMULATE_SOC, which the script's processes inherit): Ascend950PR
+                   takes the Ascend 950 paths of torch_npu's glue, the contracts and the tests
   -m module        run a library module as a script (like python -m)
 
 exit status: the script's own (SystemExit code; 1 on an uncaught exception; 130 on Ctrl-C);
@@ -108,6 +111,7 @@ changes folder).
 
 _MODES = ("strict", "warn", "fix", "off")
 DEVICES_ENV = "OPCONTRACTS_EMULATE_DEVICES"  # emulation._device.DEVICES_ENV (imported lazily)
+SOC_ENV = "OPCONTRACTS_EMULATE_SOC"  # emulation._device.SOC_ENV
 CHILD_ENV = "OPCONTRACTS_EMULATE_CHILD"  # the profile the script's Python children install
 _CHILD_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_child_site")
 
@@ -129,6 +133,7 @@ class RunOptions:
     contracts: list[str] = field(default_factory=list)
     emulate: str | None = None  # the emulation's profile, None: no emulation
     devices: int | None = None  # --devices N: npu devices to emulate
+    soc: str | None = None  # --soc NAME: the chip the emulated device reports
     help: bool = False
 
 
@@ -180,6 +185,8 @@ def parse(argv: Sequence[str]) -> RunOptions:
             _check_profile(opts.emulate)
         elif w == "--devices" or w.startswith("--devices="):
             opts.devices = _check_devices(value("--devices", w))
+        elif w == "--soc" or w.startswith("--soc="):
+            opts.soc = _check_soc(value("--soc", w))
         elif w == "--report" or w.startswith("--report="):
             opts.report = value("--report", w)
         elif w == "--json" or w.startswith("--json="):
@@ -204,6 +211,16 @@ def _check_profile(name: str) -> None:
     if name not in PROFILES:
         raise UsageError(f"--emulate: unknown profile {name!r}; expected one of "
                          f"{', '.join(PROFILES)}")
+
+
+def _check_soc(word: str) -> str:
+    from ..emulation import _device
+    from ..errors import SettingError
+
+    try:
+        return _device.soc_setting(word)
+    except SettingError as exc:
+        raise UsageError(f"--soc: {exc}") from None
 
 
 def _check_devices(word: str) -> int:
@@ -384,9 +401,9 @@ def run(opts: RunOptions) -> int:
         except OpContractsError as exc:
             print(f"opcontracts run: --contracts: {exc}", file=sys.stderr)
             return 2
-    saved_devices = os.environ.get(DEVICES_ENV)
+    saved_devices, saved_soc = os.environ.get(DEVICES_ENV), os.environ.get(SOC_ENV)
     saved_child = (os.environ.get(CHILD_ENV), os.environ.get("PYTHONPATH"))
-    emulated = _emulate(opts.emulate, opts.devices)
+    emulated = _emulate(opts.emulate, opts.devices, opts.soc)
     if emulated is None:
         return 2
     patch_mod = sys.modules.get("opcontracts.patch")
@@ -440,6 +457,8 @@ def run(opts: RunOptions) -> int:
             emulation.uninstall()
         if opts.devices is not None:
             _restore_env(DEVICES_ENV, saved_devices)
+        if opts.soc is not None:
+            _restore_env(SOC_ENV, saved_soc)
         if opts.emulate is not None:
             _restore_env(CHILD_ENV, saved_child[0])
             _restore_env("PYTHONPATH", saved_child[1])
@@ -500,23 +519,27 @@ def _restore_env(name: str, value: str | None) -> None:
         os.environ[name] = value
 
 
-def _emulate(profile: str | None, devices: int | None = None) -> bool | None:
-    """Install the emulation with its npu device for ``--emulate`` (``devices`` of them, which
-    the processes the script starts inherit through the environment): True when this run
-    installed it, False when there is nothing to do, None (and a line on stderr) when it cannot
-    be installed (a real torch_npu is present, ``--devices`` without ``--emulate``, a bad
-    ``OPCONTRACTS_EMULATE_DEVICES``)."""
+def _emulate(profile: str | None, devices: int | None = None, soc: str | None = None
+             ) -> bool | None:
+    """Install the emulation with its npu device for ``--emulate`` (``devices`` of them,
+    reporting ``soc``, which the processes the script starts inherit through the environment):
+    True when this run installed it, False when there is nothing to do, None (and a line on
+    stderr) when it cannot be installed (a real torch_npu is present, ``--devices`` or ``--soc``
+    without ``--emulate``, a bad ``OPCONTRACTS_EMULATE_DEVICES`` or ``_SOC``)."""
     if profile is None:
-        if devices is not None:
-            print("opcontracts run: --devices needs --emulate (a machine's real NPUs are the "
-                  "devices it has)", file=sys.stderr)
-            return None
+        for flag, given in (("--devices", devices), ("--soc", soc)):
+            if given is not None:
+                print(f"opcontracts run: {flag} needs --emulate (a machine's real NPUs are the "
+                      "devices it has)", file=sys.stderr)
+                return None
         return False
     from .. import emulation
     from ..errors import SettingError
 
     if devices is not None:
         os.environ[DEVICES_ENV] = str(devices)
+    if soc is not None:
+        os.environ[SOC_ENV] = soc
     was_installed = emulation.installed()
     try:
         emulation.install(profile, device=True)

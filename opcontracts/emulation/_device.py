@@ -55,11 +55,13 @@ from torch.library import Library
 
 from . import _autocast, _backward_engine, _cpu_gaps, _gemm_accum, _npu_api, _philox
 
-__all__ = ["DEFAULT_SOC", "call_on_cpu", "drop_op_kernels", "install", "installed", "module",
-           "register_op_kernels", "reported_soc", "reserve", "to_cpu_view", "to_npu", "uninstall"]
+__all__ = ["DEFAULT_SOC", "SOC_ENV", "call_on_cpu", "drop_op_kernels", "install", "installed", "module",
+           "register_op_kernels", "reported_soc", "reserve", "soc_setting", "to_cpu_view", "to_npu",
+           "uninstall"]
 
 DEVICE_TYPE = "npu"
 DEFAULT_SOC = "Ascend910B3"  # an A2 training chip (torch_npu.npu.get_device_name() on an 800T A2)
+SOC_ENV = "OPCONTRACTS_EMULATE_SOC"  # the SoC a device installed with device=True reports
 
 _lock = threading.RLock()
 # the SoC reported; the current device; whether the device was used since install (torch_npu's
@@ -418,6 +420,28 @@ def devices_setting(value: str | None = None) -> int:
         raise SettingError(f"{where}={raw!r}: expected the number of npu devices to emulate, a "
                            f"whole number from 1 to {MAX_DEVICES} (e.g. {DEVICES_ENV}=8)")
     return count
+
+
+def soc_setting(value: str | None = None) -> str:
+    """The SoC the emulated device reports: ``value``, else ``OPCONTRACTS_EMULATE_SOC``, else
+    ``DEFAULT_SOC``.  Raises SettingError naming the variable on a name that is not an Ascend
+    chip's as ``torch_npu.npu.get_device_name()`` gives it (``Ascend`` and letters, digits,
+    ``_``)."""
+    import re
+
+    from ..errors import SettingError
+
+    raw = os.environ.get(SOC_ENV) if value is None else value
+    if raw is None or not raw.strip():
+        return DEFAULT_SOC
+    text = raw.strip()
+    if re.fullmatch(r"Ascend[0-9A-Za-z_]+", text) is None:
+        where = SOC_ENV if value is None else "soc"
+        raise SettingError(f"{where}={raw!r}: expected the name of the Ascend chip the emulated "
+                           "device reports, as torch_npu.npu.get_device_name() gives it: "
+                           f"Ascend910B3, Ascend910_9392, Ascend950PR, ... (e.g. "
+                           f"{SOC_ENV}=Ascend950PR)")
+    return text
 
 
 _queued_calls: list[Callable[[], Any]] = []

@@ -75,8 +75,9 @@ def install(
 
     ``device=True`` also registers the emulated ``npu`` device (``_device``: ``torch.npu``,
     ``torch_npu.npu``, npu tensors over CPU memory, the ops' kernels for it, backward on the
-    engine's worker thread) reporting the SoC ``_device.DEFAULT_SOC``; a string is the SoC it
-    reports (``device="Ascend910_9382"``).  Installing again with ``device=False`` keeps a
+    engine's worker thread) reporting the SoC ``OPCONTRACTS_EMULATE_SOC`` names, else
+    ``_device.DEFAULT_SOC`` (SettingError on a name that is not a chip's); a string is the SoC
+    it reports (``device="Ascend910_9382"``).  Installing again with ``device=False`` keeps a
     device already installed.
     """
     global _lib, _finder, _release
@@ -133,6 +134,8 @@ def _stack_versions(profile: _profiles.Profile, device: bool | str) -> dict[str,
         soc = device
     elif _device.installed():
         soc = _device.reported_soc()
+    elif device is True:
+        soc = _device.soc_setting()  # what the device about to be installed reports
     else:
         soc = stack.soc if stack is not None else ""
     return {"profile": profile.name, "cann": (stack.cann or "") if stack is not None else "",
@@ -151,7 +154,7 @@ def _install_device(device: bool | str) -> None:
     """The npu device when asked for; while it is installed, its kernels for every op the
     emulation defines now (registered again after each install: the ops may be new)."""
     if device:
-        _device.install(_device.DEFAULT_SOC if device is True else str(device))
+        _device.install(_device.soc_setting() if device is True else str(device))
     if _device.installed():
         _device.register_op_kernels()
 
