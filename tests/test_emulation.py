@@ -635,6 +635,20 @@ def test_scatter_nd_update_writes_into_self_and_returns_it(emu: types.ModuleType
     assert cache.tolist() == [[0, 0], [1, 1], [0, 0], [1, 1]]  # index 9: out of range, dropped
 
 
+def test_silu_in_place_writes_into_self_and_returns_it(emu: types.ModuleType) -> None:
+    """``npu_silu_(Tensor(a!) self) -> Tensor(a!)``: npu_silu's values, in self; the contract
+    takes npu_silu's dtypes (fp16 / fp32)."""
+    import opcontracts
+    from opcontracts import ContractViolation
+
+    x = (torch.randint(-16, 17, (4, 8)) / 8).half()
+    y = x.clone()
+    assert npu.npu_silu_(y) is y
+    assert torch.equal(y, npu.npu_silu(x))
+    with opcontracts.mode("strict"), pytest.raises(ContractViolation, match="npu_silu_"):
+        opcontracts.check("npu_silu_", x.bfloat16())
+
+
 def test_scaled_masked_softmax_masks_where_the_mask_is_true(emu: types.ModuleType) -> None:
     x = torch.randn(1, 1, 32, 32)
     mask = torch.ones(32, 32, dtype=torch.bool).triu(1).view(1, 1, 32, 32)

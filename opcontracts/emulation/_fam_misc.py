@@ -152,6 +152,9 @@ OPS: tuple[EmulatedOp, ...] = (
                       "forward's dtypes)"),
     EmulatedOp("npu_silu", fake=_silu_fake, dtypes={"self": ("fp16", "fp32")},
                backward=AUTOGRAD, source=f"{_DOCS}; {_DERIV}"),
+    # the same kernel in place (``writes``); no derivative entry in op-plugin
+    EmulatedOp("npu_silu_", fake=_silu_fake, dtypes={"self": ("fp16", "fp32")},
+               backward=NO_DERIVATIVE, writes="self", source=f"{_DOCS} (npu_silu)"),
     EmulatedOp("npu_confusion_transpose", fake=_confusion_transpose_fake, backward=AUTOGRAD,
                source=f"{_DOCS}; {_DERIV}"),
     EmulatedOp("npu_scaled_masked_softmax", fake=_scaled_masked_softmax_fake,

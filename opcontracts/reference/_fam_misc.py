@@ -10,7 +10,8 @@ Sources, per op (torch_npu 2.14.0 ``_op_plugin_docs.py`` unless named):
   ``npu_gelu_backward``, what its autograd node calls (op-plugin ``derivatives.yaml``): the
   derivative at ``self`` times ``grad_output``, the two broadcast together, in their result
   type (``op_plugin_functions.yaml``: ``broadcast_ops_npu_output_size``, ``result_type``);
-* ``npu_silu``: ``x * sigmoid(x)``;
+* ``npu_silu``: ``x * sigmoid(x)``; ``npu_silu_`` the same written into ``self`` (its schema's
+  ``Tensor(a!) self``; no doc of its own);
 * ``npu_confusion_transpose``: ``transpose_first``: permute by ``perm`` then reshape to
   ``shape``; else reshape then permute (the doc's two examples);
 * ``npu_scaled_masked_softmax``: ``softmax((x * scale).masked_fill(mask, -inf), -1)``, the mask
@@ -333,6 +334,8 @@ REFERENCES: tuple[Reference, ...] = (
                      "npu_gelu_backward(grad, self, approximate)) and op_plugin_functions.yaml "
                      "(aclnnGeluBackwardV2; the output's size and dtype)"),
     Reference("npu_silu", npu_silu, example=_silu_example, source=_DOCS),
+    Reference("npu_silu_", npu_silu, example=_silu_example,
+              source=f"{_DOCS} (npu_silu; npu_silu_(Tensor(a!) self) -> Tensor(a!): in place)"),
     Reference("npu_confusion_transpose", npu_confusion_transpose,
               example=_confusion_transpose_example, source=_DOCS),
     Reference("npu_scaled_masked_softmax", npu_scaled_masked_softmax,
