@@ -338,17 +338,20 @@ class _Runner:
         from ._lang import modes
         from .compare import _copy, _upcast_map
 
+        # the reference's copies are taken before the op runs: an in-place op (npu_silu_,
+        # npu_scatter_nd_update_) writes into its arguments
+        up = _upcast_map(args, kwargs)
+        with torch.no_grad():
+            ref_args = tuple(_copy(a, up, None, False) for a in args)
+            ref_kwargs = {k: _copy(v, up, None, False) for k, v in kwargs.items()}
         try:
             with modes.mode("off"), torch.no_grad():
                 out = self.fn(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - a kernel that raises is a result
             return "raises", f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
-        up = _upcast_map(args, kwargs)
         try:
             with torch.no_grad(), layer.busy():
-                want = self.ref.forward(*(_copy(a, up, None, False) for a in args),
-                                        **{k: _copy(v, up, None, False) for k, v in
-                                           kwargs.items()})
+                want = self.ref.forward(*ref_args, **ref_kwargs)
         except Exception as exc:  # noqa: BLE001 - nothing to judge against
             return "n/a", f"the reference raises {type(exc).__name__}"
         got, exp = list(layer.outputs(out)), list(layer.outputs(want))
