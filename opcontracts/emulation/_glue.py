@@ -154,8 +154,25 @@ def _unpermute_for_backward(args: Mapping[str, Any], out: Any, *, fake: bool) ->
     return unpermuted, (tokens.new_empty(tokens.shape) if fake else tokens.detach())
 
 
+def _format_cast(args: Mapping[str, Any], out: Any, *, fake: bool) -> Any:
+    """torch_npu's ``npu_format_cast``: the tensor itself (its storage) when it already has the
+    format asked for, else the new tensor in that format (NZ of fewer than 2 dims: ND); the
+    format is kept on the storage (``_formats``)."""
+    from . import _formats
+
+    self = args["self"]
+    want = _formats.storage_format(self.dim(), int(args["acl_format"]))
+    if fake:
+        return out
+    if _formats.format_of(self) == want:
+        return self.detach()  # the same storage, as the real glue returns self
+    _formats.set_format(out, want)
+    return out
+
+
 GLUE_OUTPUTS: dict[str, Callable[..., Any]] = {
     "_npu_moe_token_unpermute": _unpermute_for_backward,
+    "npu_format_cast": _format_cast,
 }
 """Per op, what the glue makes of the kernel's outputs: ``(arguments, outputs, fake=) ->
 outputs``."""

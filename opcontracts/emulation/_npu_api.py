@@ -98,7 +98,8 @@ def is_gte_cann_version(version: str, module: str = "CANN") -> bool:
 
 class _NpuConfig:
     """``torch.npu.config``: ``allow_internal_format`` (private formats such as NZ; the
-    emulation has one format, ND, whatever is set)."""
+    emulation keeps the format an explicit ``npu_format_cast`` gives, ``_formats``, whatever
+    is set, and stores every format's values as ND)."""
 
     allow_internal_format = False
 

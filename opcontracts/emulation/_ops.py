@@ -303,11 +303,52 @@ def register(release: str = DIGEST_RELEASE) -> Library:
                          saves=None if recomputes else nodes(
                              op.name, release if op.release_only or op.name in by_release
                              else DIGEST_RELEASE))
+        if "npu_format_cast" in OP_NAMES:
+            _register_format_forms(lib)
     except BaseException:
         _captured.clear()
         lib._destroy()
         raise
     return lib
+
+
+def _register_format_forms(lib: Library) -> None:
+    """torch_npu's other forms of the format cast, over the default overload and the storage
+    format it keeps (``_formats``): ``npu_format_cast.Tensor`` (to another tensor's format),
+    ``npu_format_cast_`` (in place, to another tensor's format) and ``npu_format_cast_
+    .acl_format`` (in place, to a format): the values stay, the storage's format changes.
+    CompositeImplicitAutograd: a cast and a format change on any device, traced through."""
+    from ..wheel import digest
+    from . import _formats
+
+    schemas = {f"{s.name}.{s.overload}" if s.overload else s.name: s.func
+               for op in ("npu_format_cast", "npu_format_cast_")
+               for s in digest.op_schemas(DIGEST_RELEASE).get(op, ())}
+    cast = getattr(torch.ops, NAMESPACE).npu_format_cast.default
+
+    def to_format_of(self: torch.Tensor, dst: torch.Tensor, *, customize_dtype: int | None = None,
+                     input_dtype: int | None = None) -> torch.Tensor:
+        return cast(self, _formats.format_of(dst), customize_dtype=customize_dtype,  # type: ignore[no-any-return]
+                    input_dtype=input_dtype)
+
+    def in_place(self: torch.Tensor, fmt: int) -> torch.Tensor:
+        _formats.set_format(self, _formats.storage_format(self.dim(), fmt))
+        return self
+
+    def in_place_like(self: torch.Tensor, src: torch.Tensor, *,
+                      customize_dtype: int | None = None,
+                      input_dtype: int | None = None) -> torch.Tensor:
+        return in_place(self, _formats.format_of(src))
+
+    def in_place_to(self: torch.Tensor, acl_format: int, *, customize_dtype: int | None = None,
+                    input_dtype: int | None = None) -> torch.Tensor:
+        return in_place(self, acl_format)
+
+    for name, fn in (("npu_format_cast.Tensor", to_format_of), ("npu_format_cast_", in_place_like),
+                     ("npu_format_cast_.acl_format", in_place_to)):
+        if name in schemas:
+            lib.define(schemas[name])
+            lib.impl(name, fn, "CompositeImplicitAutograd")
 
 
 def _nodes_of(release: str) -> Callable[[str, str], tuple[str | int, ...] | None]:

@@ -869,7 +869,7 @@ class _Builders:
         module.__opcontracts_stack__ = _stack(self.versions)  # type: ignore[attr-defined]
         module.__doc__ = "opcontracts emulation of torch_npu: npu_* are torch.ops.npu packets."
         ns = _npu()
-        for name in OP_NAMES:
+        for name in (*OP_NAMES, "npu_format_cast_"):
             if hasattr(ns, name):  # the release-only ops where the release has them
                 setattr(module, name, getattr(ns, name))
         device = sys.modules.get("torch_npu.npu")  # the emulated device, when installed

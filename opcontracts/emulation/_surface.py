@@ -99,6 +99,14 @@ def extend_torch_npu(module: types.ModuleType) -> None:
     after a plain ``import torch_npu``, as torch_npu's ``__init__`` imports them)."""
     for name, value in DTYPES.items():
         setattr(module, name, value)
+    from . import _formats  # NPU storage formats: torch_npu.Format, get_npu_format
+
+    def get_npu_format(tensor):  # type: ignore[no-untyped-def]
+        """The tensor's storage format, a ``torch_npu.Format`` (``_formats``)."""
+        return _formats.get_npu_format(tensor)
+
+    module.Format = _formats.Format  # type: ignore[attr-defined]
+    own(module, [get_npu_format], public=False)
 
     def __getattr__(name: str) -> Any:
         if name in LAZY_SUBMODULES:
