@@ -126,3 +126,21 @@ def test_format_cast_takes_any_tensor_and_format() -> None:
         opcontracts.check("npu_format_cast", torch.zeros(4, 4), torch.zeros(4, 4))
     exc = _violation("npu_format_cast", [1.0, 2.0], 2)
     assert exc.arg == "self" and "argument 'self'" in str(exc)
+
+
+def test_dtype_cast_casts_as_the_doc_shows_and_its_gradient_comes_back(npu: Any) -> None:
+    """torch_npu 2.14.0 doc: ``npu_dtype_cast([0, 0.5, -1.], dtype=torch.int)`` is ``[0, 0, -1]``;
+    the node keeps no tensor and casts the gradient back to the input's dtype."""
+    got = npu.npu_dtype_cast(torch.tensor([0.0, 0.5, -1.0]), dtype=torch.int)
+    assert got.dtype == torch.int32 and got.tolist() == [0, 0, -1]
+    x = torch.rand(3, 4, requires_grad=True)
+    kept: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        y = npu.npu_dtype_cast(x, torch.float16)
+    assert y.dtype == FP16 and not kept  # NpuDtypeCastBackward0 saves nothing
+    (y.float() * 2).sum().backward()
+    assert x.grad is not None and x.grad.dtype == FP32 and torch.equal(x.grad, torch.full((3, 4), 2.0))
+    with opcontracts.mode("strict"):
+        opcontracts.check("npu_dtype_cast", torch.zeros(2, dtype=BF16), torch.float32)
+    with pytest.raises(NotImplementedError, match="hifloat8"):
+        npu.npu_dtype_cast(torch.rand(2), 290)  # torch_npu.hifloat8: not emulated

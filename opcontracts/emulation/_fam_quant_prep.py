@@ -48,6 +48,17 @@ def _int4pack_fake(weight: torch.Tensor, inner_k_tiles: int = 0) -> torch.Tensor
     return weight.new_empty((*weight.shape[:-1], weight.size(-1) // 8), dtype=torch.int32)
 
 
+def _dtype_cast_fake(self: torch.Tensor, dtype: Any, input_dtype: Any = None) -> torch.Tensor:
+    return self.new_empty(self.shape, dtype=ref.cast_dtype(dtype))
+
+
+def _dtype_cast_backward(inputs: dict[str, Any], outputs: Any, grads: Any) -> dict[str, Any]:
+    """``NpuDtypeCastBackward0`` (keeps no tensor): the gradient cast back to the input's dtype
+    (``npu_dtype_cast_backward(grad, self.scalar_type())``, derivatives.yaml)."""
+    self = inputs["self"]
+    return {"self": grads.to(self.dtype) if self.is_floating_point() else None}
+
+
 def _format_cast_fake(self: torch.Tensor, acl_format: Any, *, customize_dtype: int | None = None,
                       input_dtype: int | None = None) -> torch.Tensor:
     return self.new_empty(self.shape)
@@ -64,6 +75,8 @@ OPS: tuple[EmulatedOp, ...] = (
     EmulatedOp("npu_convert_weight_to_int4pack", fake=_int4pack_fake,
                dtypes={"weight": ("int32",)},
                source=f"{_DOCS} (npu_convert_weight_to_int4pack)"),
+    EmulatedOp("npu_dtype_cast", fake=_dtype_cast_fake, backward=_dtype_cast_backward,
+               source=f"{_DOCS} (npu_dtype_cast)"),
     EmulatedOp("npu_format_cast", fake=_format_cast_fake, backward=AUTOGRAD,
                source=f"{_DOCS} (npu_format_cast: the values unchanged)"),
 )

@@ -17,7 +17,12 @@ Sources, per op (op-plugin master ``docs/zh/custom_APIs/torch_npu/torch_npu-<op>
 * ``npu_convert_weight_to_int4pack``: int32 values in [-8, 7], eight packed per int32 along the
   last axis, the first in the lowest nibble;
 * ``npu_format_cast``: an NPU storage format (ND, NZ, NC1HWC0, ...) changes the memory layout,
-  never the values; the emulation keeps every tensor in ND, so the cast returns a copy.
+  never the values; the emulation keeps the values in ND, so the cast returns a copy (the
+  format is the storage's: ``emulation/_formats``);
+* ``npu_dtype_cast``: the tensor in ``dtype`` (torch_npu 2.14.0 doc: ``[0, 0.5, -1.]`` to int32
+  is ``[0, 0, -1]``, a cast as ``Tensor.to``); ``dtype`` a ScalarType number or torch_npu's
+  float8 numbers (291, 292); its own hifloat8 / float4 types and an ``input_dtype`` that
+  reinterprets the input are not emulated (``NotImplementedError``).
 
 Rounding is half-to-even (``torch.round``), as the goldens' ``np.round`` and ``torch``'s
 quantisers round.  fp8 and hifloat8 outputs are not emulated (``NotImplementedError``).
@@ -31,8 +36,8 @@ import torch
 
 from ._entry import Reference
 
-__all__ = ["REFERENCES", "int4_pack", "npu_convert_weight_to_int4pack", "npu_format_cast",
-           "npu_quantize", "npu_trans_quant_param"]
+__all__ = ["REFERENCES", "cast_dtype", "int4_pack", "npu_convert_weight_to_int4pack",
+           "npu_dtype_cast", "npu_format_cast", "npu_quantize", "npu_trans_quant_param"]
 
 _F32 = torch.float32
 Example = tuple[tuple[Any, ...], dict[str, Any]]
@@ -153,6 +158,34 @@ def npu_format_cast(self: torch.Tensor, acl_format: Any, *, customize_dtype: int
     return self.clone()
 
 
+# ScalarType numbers a cast takes (c10::ScalarType), and torch_npu's own float8 numbers
+_CAST_TYPES: dict[int, torch.dtype] = {
+    0: torch.uint8, 1: torch.int8, 2: torch.int16, 3: torch.int32, 4: torch.int64,
+    5: torch.float16, 6: torch.float32, 7: torch.float64, 11: torch.bool, 15: torch.bfloat16,
+    23: torch.float8_e5m2, 24: torch.float8_e4m3fn, 291: torch.float8_e5m2,
+    292: torch.float8_e4m3fn,
+}
+
+
+def cast_dtype(dtype: Any) -> torch.dtype:
+    """The torch dtype a cast's ``dtype`` argument names (a torch.dtype or its number)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    want = _CAST_TYPES.get(int(dtype))
+    if want is None:
+        raise NotImplementedError(f"npu_dtype_cast: dtype {int(dtype)} (torch_npu's hifloat8 or "
+                                  "float4 types) is not emulated")
+    return want
+
+
+def npu_dtype_cast(self: torch.Tensor, dtype: Any, input_dtype: Any = None) -> torch.Tensor:
+    """``self`` cast to ``dtype`` (a new tensor, as ``Tensor.to(copy=True)``)."""
+    if input_dtype is not None and cast_dtype(input_dtype) != self.dtype:
+        raise NotImplementedError("npu_dtype_cast: input_dtype other than the tensor's own "
+                                  "(torch_npu's hifloat8 / float4 containers) is not emulated")
+    return self.to(cast_dtype(dtype), copy=True)
+
+
 # --------------------------------------------------------------------------- examples
 def _quantize_example(g: torch.Generator) -> Example:
     x = torch.randn(4, 8, generator=g)
@@ -168,6 +201,10 @@ def _int4pack_example(g: torch.Generator) -> Example:
     return (torch.randint(-8, 8, (16, 32), generator=g, dtype=torch.int32),), {}
 
 
+def _dtype_cast_example(g: torch.Generator) -> Example:
+    return (torch.tensor([0.0, 0.5, -1.0, 2.75]), _scalar_type(torch.int32)), {}
+
+
 def _format_cast_example(g: torch.Generator) -> Example:
     return (torch.randn(4, 16, generator=g), 29), {}
 
@@ -181,6 +218,8 @@ REFERENCES: tuple[Reference, ...] = (
               example=_int4pack_example,
               source=f"{_OPP}npu_convert_weight_to_int4pack.md; op-plugin "
                      "test_npu_convert_weight_to_int4pack.py (the packing golden)"),
+    Reference("npu_dtype_cast", npu_dtype_cast, example=_dtype_cast_example,
+              source="torch_npu 2.14.0 _op_plugin_docs.py (npu_dtype_cast)"),
     Reference("npu_format_cast", npu_format_cast, example=_format_cast_example,
               source=f"{_OPP}npu_format_cast.md (a storage format, not the values)"),
 )
