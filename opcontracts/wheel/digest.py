@@ -51,7 +51,7 @@ from ._bindings import parse_bindings
 from ._docs import OpDoc, parse_docs
 from ._meta import MetaKernel, parse_meta
 from ._nodes import node_name, parse_nodes
-from ._schema import OpSchema, by_op, custom_funcs, default_schemas
+from ._schema import OpSchema, by_op, custom_funcs, default_schemas, split_top
 from ._source import WheelFiles, file_id
 
 __all__ = ["Digest", "Release", "DigestError", "build", "load", "save", "dumps", "loads",
@@ -374,23 +374,11 @@ class Release:
 
 def _returns(text: str) -> list[str]:
     """A schema's returns one by one: ``(Tensor, Tensor out)`` -> ``['Tensor', 'Tensor out']``
-    (commas inside ``Tensor(a!)`` annotations are not separators)."""
+    (a comma inside ``Tensor(a!)`` is not a separator: ``split_top``)."""
     t = text.strip()
     if t.startswith("(") and t.endswith(")"):
         t = t[1:-1]
-    parts: list[str] = []
-    cur: list[str] = []
-    depth = 0
-    for ch in t:
-        depth += ch == "("
-        depth -= ch == ")"
-        if ch == "," and depth == 0:
-            parts.append("".join(cur).strip())
-            cur = []
-        else:
-            cur.append(ch)
-    tail = "".join(cur).strip()
-    return [*parts, tail] if tail else parts
+    return [r for r in split_top(t) if r]
 
 
 class Digest:
