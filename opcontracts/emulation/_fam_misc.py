@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ..reference._matmul import FP8_TYPES
 from ._captured import call
 from ._family import AUTOGRAD, NO_DERIVATIVE, EmulatedOp
 
@@ -40,8 +41,6 @@ __all__ = ["OPS"]
 FLOATS = ("bf16", "fp16", "fp32")
 _DOCS = "torch_npu 2.14.0 _op_plugin_docs.py"
 _DERIV = "op-plugin op_plugin/config/derivatives.yaml"
-_TORCH_FP8 = {23: torch.float8_e5m2, 24: torch.float8_e4m3fn, 291: torch.float8_e5m2,
-              292: torch.float8_e4m3fn}
 
 
 # --------------------------------------------------------------------------- fakes
@@ -113,7 +112,7 @@ def _dual_axis_fake(input: torch.Tensor, *, round_mode: str = "rint", dst_type: 
                     scale_alg: int = 0, dst_type_max: float | None = 0.0
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     shape = list(input.shape)
-    fp8 = _TORCH_FP8.get(dst_type)
+    fp8 = FP8_TYPES.get(dst_type)
     if fp8 is None:  # FP4: two codes per uint8 along the last axis
         y_shape, y_dtype = [*shape[:-1], shape[-1] // 2], torch.uint8
     else:

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from ._entry import Reference
+from ._matmul import FP8_TYPES, SCALAR_TYPES
 
 __all__ = ["REFERENCES", "cast_dtype", "int4_pack", "npu_convert_weight_to_int4pack",
            "npu_dtype_cast", "npu_format_cast", "npu_quantize", "npu_trans_quant_param"]
@@ -158,13 +159,8 @@ def npu_format_cast(self: torch.Tensor, acl_format: Any, *, customize_dtype: int
     return self.clone()
 
 
-# ScalarType numbers a cast takes (c10::ScalarType), and torch_npu's own float8 numbers
-_CAST_TYPES: dict[int, torch.dtype] = {
-    0: torch.uint8, 1: torch.int8, 2: torch.int16, 3: torch.int32, 4: torch.int64,
-    5: torch.float16, 6: torch.float32, 7: torch.float64, 11: torch.bool, 15: torch.bfloat16,
-    23: torch.float8_e5m2, 24: torch.float8_e4m3fn, 291: torch.float8_e5m2,
-    292: torch.float8_e4m3fn,
-}
+# the dtype numbers a cast takes: c10::ScalarType's (bool too) and torch_npu's float8 codes
+_CAST_TYPES: dict[int, torch.dtype] = {**SCALAR_TYPES, 11: torch.bool, **FP8_TYPES}
 
 
 def cast_dtype(dtype: Any) -> torch.dtype:

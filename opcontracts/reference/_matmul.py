@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from ._util import acc_dtype, fit
 
-__all__ = ["SCALAR_TYPES", "activation", "dequant_weight", "group_sizes", "grouped_weights",
+__all__ = ["FP8_TYPES", "SCALAR_TYPES", "activation", "dequant_weight", "group_sizes", "grouped_weights",
            "int4_unpack", "is_grouped", "npu_grouped_matmul", "out_dtype", "quant_out"]
 
 # c10::ScalarType numbers, as the meta kernel's TORCH_DTYPE_ENUM_VALUE_TO_SCALAR_TYPE_MAP reads
@@ -54,6 +54,10 @@ SCALAR_TYPES: dict[int, torch.dtype] = {
     0: torch.uint8, 1: torch.int8, 2: torch.int16, 3: torch.int32, 4: torch.int64,
     5: torch.float16, 6: torch.float32, 7: torch.float64, 15: torch.bfloat16,
 }
+# the float8 dtype numbers an fp8 argument may carry: c10::ScalarType's (23, 24) and torch_npu's
+# own codes for the same types (291, 292)
+FP8_TYPES: dict[int, torch.dtype] = {23: torch.float8_e5m2, 24: torch.float8_e4m3fn,
+                                     291: torch.float8_e5m2, 292: torch.float8_e4m3fn}
 
 Tensors = Sequence[torch.Tensor]
 
