@@ -160,10 +160,10 @@ def _format_cast(args: Mapping[str, Any], out: Any, *, fake: bool) -> Any:
     format is kept on the storage (``_formats``)."""
     from . import _formats
 
-    self = args["self"]
-    want = _formats.storage_format(self.dim(), int(args["acl_format"]))
     if fake:
         return out
+    self = args["self"]
+    want = _formats.storage_format(self.dim(), int(args["acl_format"]))
     if _formats.format_of(self) == want:
         return self.detach()  # the same storage, as the real glue returns self
     _formats.set_format(out, want)

@@ -295,16 +295,14 @@ def register(release: str = DIGEST_RELEASE) -> Library:
         _captured.capture(NAMESPACE, tuple(op.name for op in ops))
         internal = {public: name for public, name in _release.INTERNAL_OF.items()
                     if name in structure.internal_ops}
-        nodes = _nodes_of(release)
         for op in ops:
             backward = backwards.get(op.name, op.backward)
             recomputes = getattr(backward, "recomputes", False)  # needs every input (``_family``)
             _register_op(lib, op, backward, internal=internal.get(op.name),
-                         saves=None if recomputes else nodes(
+                         saves=None if recomputes else _node_saves(
                              op.name, release if op.release_only or op.name in by_release
                              else DIGEST_RELEASE))
-        if "npu_format_cast" in OP_NAMES:
-            _register_format_forms(lib)
+        _register_format_forms(lib)
     except BaseException:
         _captured.clear()
         lib._destroy()
@@ -351,18 +349,16 @@ def _register_format_forms(lib: Library) -> None:
             lib.impl(name, fn, "CompositeImplicitAutograd")
 
 
-def _nodes_of(release: str) -> Callable[[str, str], tuple[str | int, ...] | None]:
-    """``(op, node release) ->`` what torch_npu's autograd node of ``op`` saves in that release,
-    from the wheel digest (the wheels' ``Functions.h``); None where it has no node for the op
-    (then everything is saved).  The node release is the installed one for the ops whose
-    derivative the release's structure decides (the MoE token family, the release-only ops),
-    ``DIGEST_RELEASE`` for the others, registered with its schemas and its derivatives (a node
-    of an older release would not keep an argument a 2.14.0 schema has: fusion attention's
-    ``sink``)."""
+def _node_saves(op: str, node_release: str) -> tuple[str | int, ...] | None:
+    """What torch_npu's autograd node of ``op`` saves in ``node_release``, from the wheel digest
+    (the wheels' ``Functions.h``); None where it has no node for the op (then everything is
+    saved).  The node release is the installed one for the ops whose derivative the release's
+    structure decides (the MoE token family, the release-only ops), ``DIGEST_RELEASE`` for the
+    others, registered with its schemas and its derivatives (a node of an older release would
+    not keep an argument a 2.14.0 schema has: fusion attention's ``sink``)."""
     from ..wheel import digest
 
-    d = digest.load()
-    return lambda op, node_release: d.release(node_release).node_saves(op)
+    return digest.load().release(node_release).node_saves(op)
 
 
 def _release_schemas(release: str) -> dict[str, str]:
