@@ -53,6 +53,13 @@ check's device work, all of it); the check itself (``StepCheck``: the verdict, t
 bookkeeping).  What a row adds to the one above is what that part costs in a training step,
 where a tight loop over the part alone (warm caches, no allocator churn) shows less.
 
+``--own N`` times, for the step-wise rows (``always-on``, ``always-on replay``), opcontracts'
+own code where it runs inside the real step, in N pairs as ``--paired`` makes them
+(``time_own``): the step check's optimizer hooks and, with the replay, the step scope (RNG
+capture, inputs held).  Printed as ``1 + own / bare step`` (medians): the share of the step the
+check takes, with its cold caches after the backward pass, far steadier than the paired ratio
+and an upper bound of it but for what the check warms for the optimizer.
+
 ``--paired N`` adds, per observer, N pairs of back-to-back steps, one observed and one with the
 observer switched off at the layer's dispatch (``time_paired``): the median and quartiles of
 the pairs' wall-time ratios, a figure whose spread is a few percent on a machine whose rounds
@@ -380,6 +387,75 @@ def time_parts(step: Step, pairs: int, clock: Callable[[], float] = time.perf_co
     return out
 
 
+def time_own(step: Step, kind: str, pairs: int, clock: Callable[[], float] = time.perf_counter
+             ) -> list[tuple[float, float, float]]:
+    """Per pair of consecutive steps (as ``time_paired``: the step check's hooks off for the
+    bare step), (the time spent in opcontracts' own code during the observed step, the
+    observed step's time, the bare step's) for a step-wise ``kind`` (``STEPWISE``).
+
+    Our own code: the step check's optimizer pre- and post-hooks and, for ``always-on
+    replay``, the sentinel's step scope (``begin_step``, ``record_call``, ``end_step``: the
+    RNG capture, the inputs held), each timed where it runs, inside the real step.  A share of
+    the step far steadier than the paired ratio (whose pairs spread by a few percent): the
+    check runs after a backward pass, with cold caches, which a tight loop over it would not
+    show; and an upper bound of what the check adds, less what it warms for the optimizer."""
+    from opcontracts import nan
+
+    assert kind in STEPWISE, kind
+    spans: list[tuple[float, float, float]] = []
+    own = [0.0]
+    with observed(kind) as boundary:
+        s = nan.active()
+        assert s is not None and s._check is not None
+        check = s._check
+        check.remove()  # its hooks are bound when attached: time them, then attach again
+
+        def timed(fn: Callable[..., Any]) -> Callable[..., Any]:
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                t0 = clock()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    own[0] += clock() - t0
+            return wrapper
+
+        wrapped = [(check, "_pre"), (check, "_post")]
+        if kind == "always-on replay":
+            wrapped += [(s, "begin_step"), (s, "record_call"), (s, "end_step")]
+        for obj, name in wrapped:
+            setattr(obj, name, timed(getattr(obj, name)))
+        check.attach()
+        run = runner(step, kind)
+        try:
+            for _ in range(3):
+                run()
+                boundary()
+            for i in range(pairs):
+                pair: dict[bool, float] = {}
+                mine = 0.0
+                for which in ((False, True) if i % 2 else (True, False)):
+                    if which:
+                        check.attach()
+                    else:
+                        check.remove()
+                    own[0] = 0.0
+                    t0 = clock()
+                    if which:
+                        run()
+                        boundary()
+                        mine = own[0]
+                    else:
+                        step()
+                    pair[which] = clock() - t0
+                spans.append((mine, pair[True], pair[False]))
+        finally:
+            check.remove()
+            for obj, name in wrapped:
+                delattr(obj, name)  # the instance's own again: its class's method
+            check.attach()
+    return spans
+
+
 def time_replay(model_mod: Any, layers: int, times: int) -> tuple[list[float], list[float]]:
     """(replay seconds, bare step seconds) of the incident's bad step, ``times`` each: a fresh
     always-on sentinel per bad step, the step run through ``run_step``, contracts off."""
@@ -417,6 +493,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decompose", type=int, default=0, metavar="N",
                    help="also split the always-on step check's cost inside the real step: N "
                         "pairs per part (hooks, gather, reduce, read, the check)")
+    p.add_argument("--own", type=int, default=0, metavar="N",
+                   help="also time, in N step pairs, opcontracts' own code inside the step "
+                        "(the step check's hooks, the replay mode's step scope): a steadier "
+                        "share of the step than the paired ratio")
     p.add_argument("--replay", type=int, default=0, metavar="N",
                    help="also time the replay of the incident's bad step, N times")
     p.add_argument("--batch", type=int, default=None, metavar="B",
@@ -481,6 +561,18 @@ def main(argv: list[str] | None = None) -> int:
                           f"{extra * 1e6:+.0f} us a step ({(extra - before) * 1e6:+.0f} us "
                           f"over the row above; {len(spans)} pairs, {clock_name})")
                     before = extra
+            if ns.own:
+                for kind in kinds:
+                    if kind not in STEPWISE:
+                        continue
+                    owns = time_own(step, kind, ns.own, clock=clock)
+                    mine = statistics.median(o for o, _, _ in owns)
+                    bare_step = statistics.median(b for _, _, b in owns)
+                    q = statistics.quantiles([o for o, _, _ in owns], n=4)
+                    print(f"{layers:6d} {kind:20s} own code x {1 + mine / bare_step:.4f} "
+                          f"({mine * 1e6:.0f} us a step, quartiles {q[0] * 1e6:.0f}-"
+                          f"{q[2] * 1e6:.0f}; bare step {bare_step * 1e3:.2f} ms; "
+                          f"{len(owns)} pairs, {clock_name})")
             if ns.replay:
                 rep, bare_s = time_replay(model_mod, layers, ns.replay)
                 print(f"{layers:6d} replay of a bad step: {statistics.median(rep) * 1e3:.1f} ms "

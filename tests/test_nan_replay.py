@@ -164,6 +164,51 @@ def test_the_replay_restores_the_rng_and_the_job_keeps_its_own(moe: types.Module
     assert torch.equal(after, torch.rand(3))  # the job's stream as if no replay had run
 
 
+class _Backend(types.SimpleNamespace):
+    """A stand-in accelerator module: its generators' states, and whether it is available
+    and initialised."""
+
+    def __init__(self, available: bool, initialised: bool) -> None:
+        super().__init__(asked=0, states=[torch.tensor([1, 2], dtype=torch.uint8)])
+        self._available, self._initialised = available, initialised
+
+    def is_available(self) -> bool:
+        self.asked += 1
+        return self._available
+
+    def is_initialized(self) -> bool:
+        return self._initialised
+
+    def get_rng_state_all(self) -> list[torch.Tensor]:
+        return [s.clone() for s in self.states]
+
+    def set_rng_state_all(self, states: list[torch.Tensor]) -> None:
+        self.states = list(states)
+
+
+def test_the_rng_capture_follows_device_modules_that_appear_and_skips_unusable_ones(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from opcontracts._observers import replay
+
+    before = {id(m) for m in replay.RngStates().devices}
+    # torch_npu (or the emulation) installed after the job started: ``torch.npu`` appears
+    npu = _Backend(available=True, initialised=True)
+    monkeypatch.setattr(torch, "npu", npu, raising=False)
+    states = replay.RngStates()
+    assert [m for m, _ in states.devices if m is npu] == [npu]
+    npu.states = [torch.tensor([9, 9], dtype=torch.uint8)]
+    states.restore()
+    assert npu.states[0].tolist() == [1, 2]  # the state it had at the capture
+    # a backend this process cannot use is asked whether it is available once, not per step
+    xpu = _Backend(available=False, initialised=True)
+    monkeypatch.setattr(torch, "xpu", xpu)
+    for _ in range(3):
+        assert all(m is not xpu for m, _ in replay.RngStates().devices)
+    assert xpu.asked == 1
+    monkeypatch.undo()
+    assert {id(m) for m in replay.RngStates().devices} == before
+
+
 def test_inputs_kept_for_a_replay_are_released_when_the_step_ends_well(
         moe: types.ModuleType) -> None:
     job = Job(moe, bad=False)

@@ -9,8 +9,10 @@ that the watch names the op that made the first NaN.  This module keeps exactly 
 * ``RngStates``: the CPU generator's state and each initialised accelerator's (``torch.cuda``,
   ``torch.npu``: every device's ``get_rng_state_all``), captured and put back, as
   ``torch.random.fork_rng`` does, in two halves (capture at the step's start, restore before
-  its replay) rather than as one ``with`` block.  The emulated npu device draws from the CPU
-  generator (it has no generator of its own), so the CPU state covers it;
+  its replay) rather than as one ``with`` block.  The CPU generator is cloned
+  (``Generator.clone_state``: its state copied, no tensor made), the devices' states taken
+  as tensors; the emulated npu device's state is the CPU generator's and its Philox state,
+  taken like any device's once the device is initialised;
 * ``StepScope``: one step in flight: its RNG states and the calls recorded in it (function,
   positional and keyword arguments, held by reference: nothing is copied).  A scope lives
   for one step: when the step ends well it is dropped, and with it every reference to the
@@ -20,7 +22,7 @@ that the watch names the op that made the first NaN.  This module keeps exactly 
 
 from __future__ import annotations
 
-import weakref
+import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -32,35 +34,56 @@ _DEVICE_MODULES = ("cuda", "npu", "xpu", "mps")
 _torch_attrs = vars(torch)
 
 
-def _device_modules() -> list[tuple[str, Any]]:
+def _candidates(key: tuple[Any, ...]) -> list[Any]:
+    """The accelerator modules of ``key`` (``torch.cuda``, ``torch.npu``... or None each) that
+    can have generators in use: those with ``get_rng_state_all`` whose backend is available
+    (``is_available()``: a backend this process cannot use never initialises, so it is dropped
+    for good).  Asked once per set of modules, not per step."""
+    found = []
+    for mod in key:
+        if mod is None or not hasattr(mod, "get_rng_state_all"):
+            continue
+        try:
+            available = getattr(mod, "is_available", None)
+            if available is not None and not available():
+                continue
+        except Exception:  # a backend that cannot say: asked again at each step
+            pass
+        found.append(mod)
+    return found
+
+
+_cached: list[Any] = [None, []]  # [the modules' key, their candidates]
+
+
+def _device_modules() -> list[Any]:
     """The accelerator modules whose generators are in use (initialised), with
     ``get_rng_state_all``; a module not imported yet is not imported here.  Run at every
-    step's start in the replay mode, right after a backward pass, where every miss costs:
-    torch's own attributes are read (``getattr`` would go through torch's lazy-module
-    ``__getattr__``, which raises for a name it lacks: 8 us a step), and whether a module has
-    ``get_rng_state_all`` is asked once per module object (``hasattr`` on ``torch.mps``
-    raises inside: 4 us a step)."""
+    step's start in the replay mode, right after the last step's optimizer step, where every
+    miss costs: the modules are looked up in torch's own attributes in one pass (``getattr``
+    would go through torch's lazy-module ``__getattr__``, which raises for a name it lacks),
+    and which of them can ever have a generator in use (``_candidates``) is asked again only
+    when one of them changes (``torch.npu`` appears once torch_npu or the emulation is
+    installed); what is left per step is ``is_initialized()`` of the available backends
+    (none on a CPU-only build)."""
+    key = tuple(map(_torch_attrs.get, _DEVICE_MODULES))
+    if key != _cached[0]:
+        _cached[0], _cached[1] = key, _candidates(key)
     found = []
-    for name in _DEVICE_MODULES:
-        mod = _torch_attrs.get(name)  # torch.npu: there once torch_npu / the emulation set it
-        if mod is None:
-            continue
-        known = _has_states.get(name)
-        if known is None or known[0] is not mod:
-            known = _has_states[name] = (mod, hasattr(mod, "get_rng_state_all"))
-        if not known[1]:
-            continue
+    for mod in _cached[1]:
         try:
             init = getattr(mod, "is_initialized", None)
             if init is not None and not init():
                 continue
         except Exception:  # a backend that cannot say: not ours to initialise
             continue
-        found.append((name, mod))
+        found.append(mod)
     return found
 
 
-_has_states: dict[str, tuple[Any, bool]] = {}  # name -> (its module, has get_rng_state_all)
+# The CPU generator's state: a clone of the generator (``Generator.clone_state``, torch 2.4: a
+# copy of its 5 KB state, no tensor made), put back by its ``get_state``; else the state tensor
+_clone_cpu = getattr(torch.default_generator, "clone_state", None)
 
 
 class RngStates:
@@ -70,38 +93,36 @@ class RngStates:
     __slots__ = ("cpu", "devices")
 
     def __init__(self) -> None:
-        self.cpu = torch.get_rng_state()
+        self.cpu: Any = torch.get_rng_state() if _clone_cpu is None else _clone_cpu()
         self.devices: list[tuple[Any, list[torch.Tensor]]] = []
-        for _name, mod in _device_modules():
+        for mod in _device_modules():
             try:
                 self.devices.append((mod, list(mod.get_rng_state_all())))
             except Exception:  # pragma: no cover - a device module without generators
                 continue
 
     def restore(self) -> None:
-        torch.set_rng_state(self.cpu)
+        cpu = self.cpu
+        torch.set_rng_state(cpu if isinstance(cpu, torch.Tensor) else cpu.get_state())
         for mod, states in self.devices:
             mod.set_rng_state_all(states)
 
 
-_live: weakref.WeakSet[StepScope] = weakref.WeakSet()
-
-
 def live_scopes() -> int:
-    """Step scopes alive now (each holds one step's inputs until it ends)."""
-    return len(_live)
+    """Step scopes alive now (each holds one step's inputs until it ends), counted by the
+    garbage collector: no bookkeeping on the step's path (a test's question, slow)."""
+    return sum(type(o) is StepScope for o in gc.get_objects())
 
 
 class StepScope:
     """One training step in flight: where its random numbers started and the calls that make
     it, to run again if the step turns out non-finite."""
 
-    __slots__ = ("rng", "calls", "__weakref__")
+    __slots__ = ("rng", "calls")
 
     def __init__(self) -> None:
         self.rng = RngStates()
         self.calls: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]] = []
-        _live.add(self)
 
     def record(self, fn: Callable[..., Any], args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> None:
