@@ -47,7 +47,7 @@ def _candidates(key: tuple[Any, ...]) -> list[Any]:
             available = getattr(mod, "is_available", None)
             if available is not None and not available():
                 continue
-        except Exception:  # a backend that cannot say: asked again at each step
+        except Exception:  # a backend that cannot say: kept, its is_initialized() decides
             pass
         found.append(mod)
     return found
