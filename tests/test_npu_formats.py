@@ -77,3 +77,23 @@ def test_the_gradient_passes_through_the_cast(where: Callable[..., Any]) -> None
     y = torch_npu.npu_format_cast(x, NZ)
     (y * 3).sum().backward()
     assert x.grad is not None and torch.equal(x.grad.cpu(), torch.full((4, 8), 3.0))
+
+
+def test_traced_tensors_keep_no_format_and_trace(where: Callable[..., Any]) -> None:
+    """Fake tensors (``FakeTensorMode``, ``torch.export``'s tracing) have no storage to keep a
+    format on: they read as their base format, and a cast traces as one op."""
+    import torch_npu
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        nz = torch_npu.npu_format_cast(torch.empty(8, 16, dtype=torch.float16), NZ)
+        assert nz.shape == (8, 16) and torch_npu.get_npu_format(nz) == ND
+
+    class Cast(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch_npu.npu_format_cast(x, NZ) * 2
+
+    x = where(torch.rand(8, 16).half())
+    ep = torch.export.export(Cast(), (x,), strict=False)
+    assert "npu_format_cast" in ep.graph_module.code
+    assert torch.equal(ep.module()(x).cpu(), x.cpu() * 2)

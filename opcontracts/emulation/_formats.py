@@ -19,6 +19,7 @@ as 2-D reports ND here, NCHW on the NPU).
 
 from __future__ import annotations
 
+import sys
 from enum import IntEnum
 from typing import Any
 
@@ -79,7 +80,14 @@ def _storage(t: torch.Tensor) -> Any:
 
 
 def _traced(t: torch.Tensor) -> bool:
-    return t.device.type == "meta" or type(t).__name__ == "FakeTensor"
+    """Whether ``t`` has no memory of its own to keep a format on: a meta tensor, or a fake one
+    (torch's ``is_fake``: a ``FakeTensor``, or a functional or subclass wrapper of fakes, as
+    ``torch.export`` and AOT tracing hand the glue).  No fake can exist before torch's fake
+    tensor module is imported, so it is not imported here."""
+    if t.device.type == "meta":
+        return True
+    fake = sys.modules.get("torch._subclasses.fake_tensor")
+    return fake is not None and bool(fake.is_fake(t))
 
 
 def format_of(t: torch.Tensor) -> int:
