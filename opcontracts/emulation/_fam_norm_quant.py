@@ -135,21 +135,13 @@ def _dynamic_quant_asymmetric_fake(
         group_index: torch.Tensor | None = None, dst_type: int | None = None,
         quant_mode: str = "pertoken", dst_type_max: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The meta kernel's shapes (torch_npu 2.14.0 ``_meta_registrations.py``): scale and offset
-    ``x.shape[:-1]`` per token, ``x.shape[:-2] + [H]`` per channel, ``[1]`` per tensor; int4
-    eight to an int32 along the last axis."""
-    shape = list(input.shape)
-    if quant_mode == "pertensor":
-        stat = [1]
-    elif quant_mode == "perchannel":
-        stat = [*shape[:-2], shape[-1]]
-    else:
-        stat = shape[:-1]
-    scale = input.new_empty(stat, dtype=torch.float32)
-    offset = input.new_empty(stat, dtype=torch.float32)
-    if dst_type == _ST_QUINT4X2:
-        return input.new_empty((*shape[:-1], shape[-1] // 8), dtype=torch.int32), scale, offset
-    return input.new_empty(shape, dtype=torch.int8), scale, offset
+    """The meta kernel's shapes (torch_npu 2.14.0 ``_meta_registrations.py``): those of
+    ``npu_dynamic_quant``'s, whose meta kernel it repeats line for line, and an offset shaped
+    as the scale."""
+    y, scale = _dynamic_quant_fake(input, smooth_scales=smooth_scales, group_index=group_index,
+                                   dst_type=dst_type, quant_mode=quant_mode,
+                                   dst_type_max=dst_type_max)
+    return y, scale, scale.new_empty(scale.shape)
 
 
 def _quant_matmul_fake(x1: torch.Tensor, x2: torch.Tensor, scale: torch.Tensor, *,
