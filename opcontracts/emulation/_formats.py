@@ -29,9 +29,6 @@ __all__ = ["Format", "base_format", "format_of", "get_npu_format", "set_format",
            "storage_format"]
 
 _ATTR = "_opcontracts_npu_format"
-NCHW, ND, FRACTAL_NZ, NCDHW = 0, 2, 29, 30
-
-
 class Format(IntEnum):
     """torch_npu's ``Format`` (``torch_npu/npu/_format.py``): the ACL storage formats, an int
     each; ``str()`` is the name."""
@@ -59,6 +56,10 @@ class Format(IntEnum):
 
     def __str__(self) -> str:
         return self.name
+
+
+NCHW, ND, FRACTAL_NZ, NCDHW = (int(f) for f in (Format.NCHW, Format.ND, Format.FRACTAL_NZ,
+                                                Format.NCDHW))
 
 
 def base_format(ndim: int) -> int:
