@@ -555,6 +555,25 @@ def test_dynamic_quant_asymmetric_maps_each_row_onto_the_full_range(
     assert ((back - rows).abs() <= want_scale.unsqueeze(-1) / 2 + 1e-6).all()
 
 
+@pytest.mark.parametrize(("dst_type", "y_dtype", "y_last"), [
+    (None, I8, 16), (torch.quint4x2, I32, 2), (torch.float8_e5m2, torch.float8_e5m2, 16),
+    (torch.float8_e4m3fn, torch.float8_e4m3fn, 16)])
+def test_dynamic_quant_asymmetric_traces_as_its_meta_kernel(
+        npu: Any, dst_type: torch.dtype | None, y_dtype: torch.dtype, y_last: int) -> None:
+    """Traced (fake tensors), the shapes and dtypes torch_npu 2.14.0's meta kernel gives: those
+    of npu_dynamic_quant (fp8 outputs fp8, although the kernel computes no fp8 here) and an
+    offset shaped as the scale, per token, per tensor and per channel."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(), opcontracts.mode("off"):
+        x = torch.empty(2, 6, 16, dtype=FP16)
+        for mode, stat in (("pertoken", (2, 6)), ("pertensor", (1,)), ("perchannel", (2, 16))):
+            y, scale, offset = npu.npu_dynamic_quant_asymmetric(x, dst_type=dst_type,
+                                                                quant_mode=mode)
+            assert (y.dtype, y.shape[-1]) == (y_dtype, y_last)
+            assert scale.shape == offset.shape == stat and offset.dtype == FP32
+
+
 def test_dynamic_quant_group_index_order_is_a_value_check(npu: Any) -> None:
     x, smooth = _vals(6, 16), _pos(3, 16, dtype=BF16)
     counts = torch.tensor([1, 2, 3], dtype=I32)  # counts where cumulative ends are expected
